@@ -92,7 +92,8 @@ def main() -> None:
     fleet.util.print_on_rank(f"accuracy on the {len(x)} training images: {accuracy:.3f}", 0)
     if args.save and fleet.is_first_worker():
         torch.save(model.state_dict(), args.save)
-    fleet.barrier_worker()
+    # No final barrier: the other ranks may end while this one saves (fleetrun ends every
+    # process cleanly; under torchrun, start the script with `python -m fleetx.run`).
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ In order, it
    and writes ``endpoints.log``;
 4. points its stdout and stderr at ``workerlog.<RANK>``;
 5. runs the script with :mod:`runpy`, so ``__name__ == "__main__"`` and ``sys.argv`` are what
-   ``python script.py args`` would give.
+   ``python script.py args`` would give, and ends the process without interpreter teardown
+   (:mod:`fleetx.launch.script` says why), keeping the script's exit status.
 
 A parameter-server process (``--ps``, from ``fleetx.launch.ps``) already has its variables from
 the launcher; it takes steps 1, 4 and 5 with the log file and launcher pid of its ``SETUP``.
@@ -28,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import runpy
 import signal
 import sys
 from typing import Callable, Optional, Sequence
@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 from fleetx import env
 from fleetx.launch import banner, logs
 from fleetx.launch.api import NodeSetup
+from fleetx.launch.script import run_script
 
 __all__ = ["process_env", "local_env", "endpoint_env", "static_endpoints", "own_endpoint",
            "configure", "main"]
@@ -206,30 +207,13 @@ def _redirect_output(path: str, fresh: bool) -> None:
     os.close(fd)
 
 
-def _run_script(script: str, args: Sequence[str]) -> None:
-    sys.argv = [script, *args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except (Exception, KeyboardInterrupt) as exc:
-        # Report from the script's first frame, as `python script.py` would.
-        tb = exc.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != script:
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc, tb or exc.__traceback__)
-        if isinstance(exc, KeyboardInterrupt):  # die of SIGINT, as Python does
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
-        sys.exit(1)
-
-
 def _main_ps(argv: Sequence[str]) -> None:
     """A parameter-server process: ``SETUP`` is ``{"log": path, "launcher_pid": pid}``."""
     setup = json.loads(argv[0])
     _die_with_launcher(int(setup["launcher_pid"]))
     _start_guardian()
     _redirect_output(setup["log"], fresh=True)
-    _run_script(argv[1], argv[2:])
+    run_script(argv[1], argv[2:])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -255,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         known = endpoints or [own_endpoint(setup, local_rank)]
         logs.write_endpoints(setup.log_dir, list(known))
     _redirect_output(logs.worker_log(setup.log_dir, rank), fresh=not restarted)
-    _run_script(script, args)
+    run_script(script, args)
 
 
 if __name__ == "__main__":

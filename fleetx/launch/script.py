@@ -1,0 +1,137 @@
+"""Run a user's script as ``python script.py`` would, and end the process without interpreter
+teardown.
+
+Why: a backward pass leaves a ``contextvars.Context`` in the C++ state of the autograd work it
+launches, and DDP's gloo all-reduce runs inside backward, so gloo's worker threads
+(``pt_gloo_runloop``) hold Python objects. When such a thread drops the last reference after the
+main thread has begun interpreter shutdown, it is forced to exit inside a C++ destructor and the
+process dies of ``std::terminate`` (SIGABRT, "terminate called without an active exception"),
+in about one run of four when the ranks of a job end at different moments. Destroying the
+process groups does not stop those threads, so no teardown order helps; never starting the
+interpreter's teardown does.
+
+:func:`run_script` therefore does, after the script returns, what Python's own exit does first
+— wait for non-daemon threads, run the ``atexit`` handlers, flush every open file — and then
+ends the process with ``os._exit``. The script's exit status is kept: ``sys.exit(n)`` exits
+``n``, ``sys.exit("text")`` prints the text and exits 1, an uncaught exception prints its
+traceback and exits 1, and Ctrl-C still ends the process by SIGINT.
+
+Both fleetrun's bootstrap and ``python -m fleetx.run`` (for torchrun, srun, mpirun) use it.
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import os
+import runpy
+import signal
+import sys
+import threading
+from typing import NoReturn, Optional, Sequence
+
+__all__ = ["run_script", "exit_cleanly"]
+
+
+def run_script(target: str, args: Sequence[str], module: bool = False) -> NoReturn:
+    """Run ``target`` (a path, or a module name with ``module=True``) as ``__main__`` with
+    ``sys.argv = [target, *args]``, then end the process with :func:`exit_cleanly`.
+
+    Args:
+        target: the script's path, or the module's dotted name.
+        args: the script's command-line arguments.
+        module: run ``target`` as ``python -m target`` would.
+    """
+    code, keep = 0, None
+    sys.argv = [target, *args]
+    try:
+        # Hold the script's globals (or, on an error, its frames) until the end, as `python`
+        # holds __main__: a file the script left open is flushed, not finalised half-written.
+        if module:
+            keep = runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            keep = runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code, keep = _exit_status(exc.code), exc
+    except KeyboardInterrupt as exc:
+        _print_exception(exc, target)
+        _finish()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # die of SIGINT, as Python does
+        os.kill(os.getpid(), signal.SIGINT)
+        os._exit(130)  # not reached: SIGINT ends the process
+    except BaseException as exc:  # noqa: BLE001 - report it as the interpreter would
+        _print_exception(exc, target)
+        code, keep = 1, exc
+    exit_cleanly(code)
+
+
+def exit_cleanly(code: int = 0) -> NoReturn:
+    """End the process with ``code`` as a normal exit would, without interpreter teardown:
+    non-daemon threads joined, ``atexit`` handlers run, open files flushed, then ``os._exit``."""
+    try:
+        _finish()
+    except BaseException as exc:  # noqa: BLE001 - an atexit failure must still end the process
+        _print_exception(exc, None)
+        code = code or 1
+    os._exit(code)
+
+
+def _finish() -> None:
+    _join_threads()
+    # atexit runs handlers itself and prints (not raises) their errors, as at a normal exit.
+    atexit._run_exitfuncs()
+    _flush_open_files()
+
+
+def _join_threads() -> None:
+    """What the interpreter does first at exit: wait for every non-daemon thread (and run the
+    hooks that ``concurrent.futures`` registers to stop its workers)."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+        return
+    for thread in threading.enumerate():  # pragma: no cover - interpreters without the hook
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+
+
+def _flush_open_files() -> None:
+    """``os._exit`` skips finalizers: flush every file object still open (a script's module-level
+    ``open(..., "w")`` that was never closed), then the standard streams. No garbage collection
+    first: collecting a file's wrapper and its raw file in one cycle may close the raw file
+    before the wrapper's buffer is written."""
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError):
+                continue
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            continue
+
+
+def _exit_status(code: object) -> int:
+    """The status ``sys.exit(code)`` gives: None is 0, an int is itself, anything else is
+    printed to stderr and gives 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _print_exception(exc: BaseException, script: Optional[str]) -> None:
+    """The traceback from the script's first frame on, as ``python script.py`` prints it."""
+    tb = exc.__traceback__
+    if script is not None:
+        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+            tb = tb.tb_next
+    if tb is not None:
+        exc = exc.with_traceback(tb)  # newer interpreters print exc.__traceback__, not the arg
+    sys.excepthook(type(exc), exc, exc.__traceback__)
