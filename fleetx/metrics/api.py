@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Protocol
 
 import numpy as np
 
-__all__ = ["Reducer", "MetricError", "resolve_util", "as_array", "all_reduce"]
+__all__ = ["Reducer", "Gatherer", "MetricError", "resolve_util", "as_array", "all_reduce"]
 
 
 class Reducer(Protocol):
@@ -24,8 +24,19 @@ class Reducer(Protocol):
     def all_reduce(self, input: Any, mode: str = "sum") -> Any: ...
 
 
+class Gatherer(Reducer, Protocol):
+    """A reducer that also offers Fleet's ``all_gather(input)``: every worker's ``input``, in
+    rank order (``fleet.util`` is one). Metrics given such a util first exchange a fixed-size
+    descriptor of their inputs, so workers that disagree get a :class:`MetricError` instead of a
+    collective on mismatched buffers."""
+
+    def all_gather(self, input: Any) -> Any: ...
+
+
 class MetricError(ValueError):
-    """A metric's input has the wrong shape, or cannot be found in ``scope``."""
+    """A metric's input is unusable: wrong shape, missing from ``scope``, not finite, or not the
+    same kind of input on every worker (the message names the metric, the input and the worker).
+    """
 
 
 def resolve_util(util: Optional[Reducer]) -> Reducer:

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
+from fleetx.metrics.agree import checked
 from fleetx.metrics.api import MetricError, Reducer, all_reduce, as_array, resolve_util
 
 __all__ = ["sum", "max", "min", "auc", "mae", "mse", "rmse", "acc", "auc_from_histograms"]
@@ -20,9 +21,11 @@ __all__ = ["sum", "max", "min", "auc", "mae", "mse", "rmse", "acc", "auc_from_hi
 Scope = Optional[Mapping[str, Any]]
 
 
-def _reduced(input: Any, mode: str, scope: Scope, util: Optional[Reducer],
-             what: str = "input") -> np.ndarray:
-    return all_reduce(as_array(input, scope, what), mode, resolve_util(util))
+def _reduced(input: Any, mode: str, scope: Scope, util: Optional[Reducer]) -> np.ndarray:
+    # NaN and inf pass through sum/max/min as through any reduction (inf is a fine max start).
+    reducer = resolve_util(util)
+    [array] = checked(mode, [("input", lambda: as_array(input, scope))], reducer, finite=False)
+    return all_reduce(array, mode, reducer)
 
 
 def sum(input: Any, scope: Scope = None, util: Optional[Reducer] = None) -> np.ndarray:
@@ -51,10 +54,18 @@ def _first(array: np.ndarray) -> float:
     return float(array.reshape(-1)[0])
 
 
+_RATIO_INPUTS = {"mae": ("abserr", "total_ins_num"), "mse": ("sqrerr", "total_ins_num"),
+                 "rmse": ("sqrerr", "total_ins_num"), "acc": ("correct", "total")}
+
+
 def _ratio(name: str, num: Any, den: Any, scope: Scope, util: Optional[Reducer]) -> float:
     reducer = resolve_util(util)
-    top = _first(all_reduce(as_array(num, scope, name), "sum", reducer))
-    bottom = _first(all_reduce(as_array(den, scope, name), "sum", reducer))
+    names = _RATIO_INPUTS[name]
+    num_array, den_array = checked(name, [(names[0], lambda: as_array(num, scope, name)),
+                                          (names[1], lambda: as_array(den, scope, name))],
+                                   reducer)
+    top = _first(all_reduce(num_array, "sum", reducer))
+    bottom = _first(all_reduce(den_array, "sum", reducer))
     if bottom == 0:
         raise ZeroDivisionError(f"{name}: the instance count sums to 0 over all workers")
     return top / bottom
@@ -70,6 +81,8 @@ def mae(abserr: Any, total_ins_num: Any, scope: Scope = None,
 
     Raises:
         ZeroDivisionError: no worker counted an instance.
+        MetricError: an input is NaN or inf, or (with ``fleet.util``) workers pass inputs of
+            different shapes or dtypes; the message names the input and the worker.
 
     Example:
         >>> metrics.mae(np.array([3.0]), np.array([4]))   # one worker
@@ -139,13 +152,17 @@ def auc(stat_pos: Any, stat_neg: Any, scope: Scope = None, util: Optional[Reduce
         The AUC of the summed histograms; 0.5 when there are no positives or no negatives.
 
     Raises:
-        MetricError: a histogram is not ``[1, B]``, or the two differ in length.
+        MetricError: a histogram is not ``[1, B]``, the two differ in length, a count is NaN
+            or inf, or (with ``fleet.util``) workers pass different bucket counts or dtypes.
 
     Example:
         >>> metrics.auc(np.array([[0, 1, 1]]), np.array([[1, 1, 0]]))   # one worker
         0.875
     """
     reducer = resolve_util(util)
-    pos = all_reduce(_histogram(stat_pos, scope, "stat_pos"), "sum", reducer)
-    neg = all_reduce(_histogram(stat_neg, scope, "stat_neg"), "sum", reducer)
+    pos, neg = checked("auc", [("stat_pos", lambda: _histogram(stat_pos, scope, "stat_pos")),
+                               ("stat_neg", lambda: _histogram(stat_neg, scope, "stat_neg"))],
+                       reducer)
+    pos = all_reduce(pos, "sum", reducer)
+    neg = all_reduce(neg, "sum", reducer)
     return auc_from_histograms(pos[0], neg[0])

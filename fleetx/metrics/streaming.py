@@ -17,6 +17,17 @@ from fleetx.metrics.reduce import auc, auc_from_histograms
 __all__ = ["AUC"]
 
 
+def _require_finite(name: str, values: np.ndarray) -> None:
+    if values.dtype.kind not in "fc":
+        return
+    bad = ~np.isfinite(values)
+    if bad.any():
+        nan, inf = int(np.isnan(values).sum()), int(bad.sum() - np.isnan(values).sum())
+        what = " and ".join(f"{n} {w}" for n, w in ((nan, "NaN"), (inf, "inf")) if n)
+        raise MetricError(f"AUC.update: {name} holds {what} value(s), the first at index "
+                          f"{int(np.argmax(bad))}; nothing of this batch was counted")
+
+
 class AUC:
     """Bucketed AUC over a stream of (probability, label) pairs.
 
@@ -56,7 +67,9 @@ class AUC:
             labels: ``N`` labels; nonzero counts as positive.
 
         Raises:
-            MetricError: the shapes do not match.
+            MetricError: the shapes do not match, or a prediction is NaN or inf, or a label is
+                NaN or inf (a NaN would otherwise land in bucket 0 and a NaN label count as
+                positive, silently).
         """
         p = as_array(preds, what="preds").astype(np.float64, copy=False)
         if p.ndim == 2 and p.shape[1] == 2:
@@ -66,6 +79,8 @@ class AUC:
         if p.shape != y.shape:
             raise MetricError(f"preds and labels hold {p.size} and {y.size} values; "
                               f"expected one label per prediction")
+        _require_finite("preds", p)
+        _require_finite("labels", y)
         bucket = np.clip((p * self.num_buckets).astype(np.int64), 0, self.num_buckets - 1)
         positive = y != 0
         self.stat_pos[0] += np.bincount(bucket[positive], minlength=self.num_buckets)

@@ -211,3 +211,27 @@ def test_streaming_global_auc_sums_workers():
         both.update(p, y)
     util = PeerUtil(peer.stat_pos, peer.stat_neg)
     assert mine.global_auc(util=util) == both.accumulate()
+
+
+# -- non-finite inputs are errors, not silently bucketed -----------------------------------------
+def test_streaming_rejects_nan_and_inf_predictions_and_nan_labels():
+    m = metrics.AUC(num_buckets=4)
+    with pytest.raises(MetricError, match=r"AUC.update: preds holds 1 NaN and 1 inf value\(s\), "
+                                          r"the first at index 1; nothing of this batch"):
+        m.update(np.array([0.2, np.nan, np.inf]), np.array([0, 1, 1]))
+    with pytest.raises(MetricError, match=r"AUC.update: labels holds 1 NaN value\(s\), the first "
+                                          r"at index 2"):
+        m.update(torch.tensor([0.2, 0.4, 0.9]), torch.tensor([0.0, 1.0, float("nan")]))
+    assert m.count == 0                          # neither batch was counted
+
+
+def test_ratio_and_auc_reject_non_finite_statistics():
+    with pytest.raises(MetricError, match=r"mae: abserr is not finite \(it holds NaN\)"):
+        metrics.mae(np.array([np.nan]), np.array([4]), util=Alone())
+    with pytest.raises(MetricError, match=r"auc: stat_neg is not finite \(it holds NaN and inf\)"):
+        metrics.auc(np.array([[1.0, 2.0]]), np.array([[np.nan, np.inf]]), util=Alone())
+
+
+def test_sum_max_min_pass_non_finite_values_through():
+    assert metrics.max(np.array([-np.inf, 1.0]), util=Alone()).tolist() == [-np.inf, 1.0]
+    assert np.isnan(metrics.sum(np.array([np.nan]), util=Alone())[0])
