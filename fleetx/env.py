@@ -34,6 +34,7 @@ class EnvVar:
         writer: who sets it (``fleetrun``, ``torchrun``, ``user``...).
         reader: which part of fleetx reads it.
         counterparts: the matching variable under torchrun / Kubeflow / Slurm, if any.
+        secret: its value must never be shown (:func:`snapshot` leaves it out).
     """
 
     name: str
@@ -41,10 +42,12 @@ class EnvVar:
     writer: str
     reader: str
     counterparts: str = ""
+    secret: bool = False
 
 
-def _v(name: str, meaning: str, writer: str, reader: str, counterparts: str = "") -> EnvVar:
-    return EnvVar(name, meaning, writer, reader, counterparts)
+def _v(name: str, meaning: str, writer: str, reader: str, counterparts: str = "",
+       secret: bool = False) -> EnvVar:
+    return EnvVar(name, meaning, writer, reader, counterparts, secret)
 
 
 _ROLE = "role_maker"
@@ -110,6 +113,17 @@ _VARS = [
     _v("FLEETX_PS_DEAD_AFTER", "seconds of silence after which a parameter server or worker is "
        "declared lost, naming it (default 15; must exceed the heartbeat interval)", "user",
        "ps runtime", "none"),
+    _v("FLEETX_PS_SECRET", "shared secret every parameter-server connection must prove it "
+       "holds (mutual HMAC challenge-response; it never travels and is never printed); fleetrun "
+       "generates one per job when neither this nor FLEETX_PS_SECRET_FILE is set. Without "
+       "either, servers listen only on loopback addresses", "fleetrun (PS), user", "ps runtime",
+       "none", secret=True),
+    _v("FLEETX_PS_SECRET_FILE", "file holding the shared secret (surrounding whitespace is "
+       "ignored), read when a connection is made; fleetrun --ps_secret_file sets it. Give "
+       "every node the same file", "fleetrun --ps_secret_file, user", "ps runtime", "none"),
+    _v("FLEETX_PS_MAX_FRAME_MB", "largest parameter-server message payload in MiB a process "
+       "sends or accepts; a peer announcing more is disconnected before anything is allocated "
+       "(default 1024)", "user", "ps runtime", "none"),
     _v("FLEETX_DRY_RUN", "1: print the plan at distributed_optimizer and exit 0 before any "
        "communication", "fleetrun --dry-run", "fleet", "none"),
     _v("FLEETX_TTY", "1 when fleetrun's own stdout is a terminal, else 0: rank 0's (worker 0's) "
@@ -193,9 +207,11 @@ def get_list(name: str, env: Optional[Mapping[str, str]] = None) -> list[str]:
 
 
 def snapshot(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """The contract's variables that are set, as a plain dict (for logs and tables)."""
+    """The contract's variables that are set, as a plain dict (for logs and tables); secrets
+    are left out."""
     src = env if env is not None else environ
-    return {name: src[name] for name in VARIABLES if src.get(name)}
+    return {name: src[name] for name, var in VARIABLES.items()
+            if src.get(name) and not var.secret}
 
 
 def apply(values: Mapping[str, str], env: Optional[MutableMapping[str, str]] = None) -> None:

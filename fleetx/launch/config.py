@@ -178,6 +178,11 @@ class LaunchConfig:
         "comma-separated, in rank order; each node starts the ones at its own addresses "
         "(selects ps mode)",
         group="parameter server", parse=_items, check=_endpoint_list, metavar="ENDPOINTS")
+    ps_secret_file: Optional[str] = _flag(
+        "file holding the job's shared secret (any text; surrounding whitespace is ignored): "
+        "every parameter-server connection must prove it holds it. Give every node's fleetrun "
+        "the same file. Without it (and without FLEETX_PS_SECRET / FLEETX_PS_SECRET_FILE) a "
+        "single-node job gets a fresh random secret", group="parameter server", metavar="FILE")
 
     def __post_init__(self) -> None:
         for f in fields(self):

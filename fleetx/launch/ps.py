@@ -12,7 +12,11 @@ Decisions, in :func:`plan`:
 * each process gets the reference environment (``TRAINING_ROLE``,
   ``PADDLE_PSERVERS_IP_PORT_LIST``, ``PADDLE_TRAINER_ENDPOINTS``, ``PADDLE_TRAINERS_NUM``,
   ``PADDLE_TRAINER_ID`` for workers, ``POD_IP``, ``PADDLE_PORT``) and ``OMP_NUM_THREADS=1`` when
-  several share the node and the user did not set it.
+  several share the node and the user did not set it;
+* the job's shared secret: ``--ps_secret_file`` (``FLEETX_PS_SECRET_FILE``), or what the user's
+  environment already holds, or, for a single-node job, a fresh random one that only the
+  processes' environment carries (never the command line, the banner or a file). A job on
+  several nodes without one is refused: each node would make its own.
 
 Running, in :func:`run`: every process starts in ``bootstrap.py`` (it dies with fleetrun, even
 on SIGKILL, and takes whatever it started along) and writes ``serverlog.N`` / ``workerlog.N``;
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -83,6 +88,7 @@ class PSPlan:
     script_args: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     launcher_pid: int = 0
+    secret: Optional[str] = field(default=None, repr=False, compare=False)  # generated here
 
     @property
     def single_node(self) -> bool:
@@ -146,9 +152,27 @@ def _process_env(role: str, index: int, endpoint: str, servers: tuple, workers: 
     return values
 
 
+def _secret(config: LaunchConfig, single_node: bool, user_secret: bool,
+            make_secret: Callable[[], str]) -> tuple[dict, Optional[str]]:
+    """(variables every process gets, a secret generated for this job or None)."""
+    if config.ps_secret_file:
+        if user_secret:
+            raise ConfigError("--ps_secret_file", "FLEETX_PS_SECRET or FLEETX_PS_SECRET_FILE is "
+                                                  "set as well; give the secret one way")
+        return {"FLEETX_PS_SECRET_FILE": os.path.abspath(config.ps_secret_file)}, None
+    if user_secret:
+        return {}, None  # the processes inherit it
+    if not single_node:
+        raise ConfigError("--ps_secret_file", "a job on several nodes needs the same secret on "
+                                              "every node: give every node's fleetrun the same "
+                                              "--ps_secret_file FILE (or set FLEETX_PS_SECRET)")
+    return {}, make_secret()
+
+
 def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_local_address,
          free_ports: Callable[[int], list[int]] = hosts.free_ports,
-         user_omp: Optional[str] = None, launcher_pid: int = 0) -> PSPlan:
+         user_omp: Optional[str] = None, launcher_pid: int = 0, user_secret: bool = False,
+         make_secret: Callable[[], str] = lambda: secrets.token_hex(32)) -> PSPlan:
     """Decide which processes this node starts for ``config``, and their environment.
 
     Args:
@@ -157,9 +181,13 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
         free_ports: returns that many free ports (``--server_num`` / ``--worker_num`` alone).
         user_omp: the user's ``OMP_NUM_THREADS``, or None when unset.
         launcher_pid: the pid the processes must have as parent (0: do not check).
+        user_secret: the user's environment already sets ``FLEETX_PS_SECRET`` or
+            ``FLEETX_PS_SECRET_FILE``.
+        make_secret: makes a single-node job's secret when none is given (256 random bits).
 
     Raises:
-        ConfigError: the flags cannot describe a job, or none of it runs on this node.
+        ConfigError: the flags cannot describe a job, none of it runs on this node, or a job
+            on several nodes has no shared secret.
     """
     _refuse_collective_flags(config)
     servers = _endpoints(config.servers, config.server_num, "server", 0, free_ports)
@@ -180,10 +208,13 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
         notes.append(f"setting OMP_NUM_THREADS=1 for each process ({len(mine)} processes share "
                      f"this node); set OMP_NUM_THREADS yourself to change it")
     log_dir = os.path.abspath(config.log_dir)
-    local = tuple(PSProcess(role, i, ep, _process_env(role, i, ep, servers, workers, log_dir,
-                                                      omp)) for role, i, ep in mine)
+    shared, secret = _secret(config, len(mine) == len(servers) + len(workers), user_secret,
+                             make_secret)
+    local = tuple(PSProcess(role, i, ep, {**_process_env(role, i, ep, servers, workers, log_dir,
+                                                         omp), **shared})
+                  for role, i, ep in mine)
     return PSPlan(servers, workers, local, log_dir, config.training_script,
-                  tuple(config.training_script_args), tuple(notes), launcher_pid)
+                  tuple(config.training_script_args), tuple(notes), launcher_pid, secret)
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -198,6 +229,8 @@ class _Job:
         for proc in self.plan.local:  # from the main thread: PDEATHSIG follows the thread
             child = dict(env.environ)
             env.apply(proc.env, child)
+            if self.plan.secret:  # in the environment only: not in the banner, not in argv
+                env.apply({"FLEETX_PS_SECRET": self.plan.secret}, child)
             setup = json.dumps({"log": proc.log_path(self.plan.log_dir),
                                 "launcher_pid": self.plan.launcher_pid})
             self.procs[proc] = subprocess.Popen(
@@ -334,6 +367,10 @@ def launch(config: LaunchConfig) -> int:
     """
     if not os.path.isfile(config.training_script):
         raise ConfigError("training_script", f"{config.training_script}: no such file")
-    p = plan(config, user_omp=env.get("OMP_NUM_THREADS"), launcher_pid=os.getpid())
+    if config.ps_secret_file and not os.access(config.ps_secret_file, os.R_OK):
+        raise ConfigError("--ps_secret_file", f"{config.ps_secret_file}: no such file or not "
+                                              "readable")
+    p = plan(config, user_omp=env.get("OMP_NUM_THREADS"), launcher_pid=os.getpid(),
+             user_secret=env.is_set("FLEETX_PS_SECRET") or env.is_set("FLEETX_PS_SECRET_FILE"))
     print(p.describe(), flush=True)
     return run(p)

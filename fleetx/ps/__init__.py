@@ -3,7 +3,9 @@
 Layers, bottom up (each imports only the ones below it and the contract in :mod:`.api`):
 
 * :mod:`.api` - wire format, message kinds, table/rule/cluster specs, errors.
-* :mod:`.transport` - the only network code: framed TCP links, heartbeats, liveness.
+* :mod:`.handshake` - the shared-secret handshake every connection starts with, and connect.
+* :mod:`.transport` - framed links: heartbeats, liveness, frame limits, queued replies.
+* :mod:`.acceptor` - a server's accept loop: handshakes without a thread each, connection caps.
 * :mod:`.tracker` - request ids and the handles ``push``/``pull`` return.
 * :mod:`.partition` - the one id -> shard -> server function, and dense slicing.
 * :mod:`.table`, :mod:`.rules`, :mod:`.kernels`, :mod:`.initializers` - rows plus a rule.
@@ -16,8 +18,8 @@ Nothing here imports torch; :mod:`fleetx.ps.layout` and :mod:`fleetx.nn` adapt t
 and :mod:`fleetx.ps.runtime` is what the fleet's runtime calls and optimizer steps do.
 See ``docs/parameter_server.md``.
 """
-from fleetx.ps.api import (CommunicatorConfig, ConfigError, DenseTableSpec, InitConfig, Mode,
-                           PeerLostError, ProtocolError, PSConfig, PSError, PSTimeoutError,
+from fleetx.ps.api import (AuthError, CommunicatorConfig, ConfigError, DenseTableSpec, InitConfig,
+                           Mode, PeerLostError, ProtocolError, PSConfig, PSError, PSTimeoutError,
                            RemoteError, RuleConfig, SparseTableSpec, Tables)
 from fleetx.ps.client import KVClient, PullResult, SparseRows
 from fleetx.ps.communicator import Communicator
@@ -25,8 +27,8 @@ from fleetx.ps.server import PSServer, run_server
 from fleetx.ps.worker import make_communicator
 
 __all__ = [
-    "CommunicatorConfig", "ConfigError", "DenseTableSpec", "InitConfig", "Mode", "PeerLostError",
-    "ProtocolError", "PSConfig", "PSError", "PSTimeoutError", "RemoteError", "RuleConfig",
-    "SparseTableSpec", "Tables", "KVClient", "PullResult", "SparseRows", "Communicator",
-    "PSServer", "run_server", "make_communicator",
+    "AuthError", "CommunicatorConfig", "ConfigError", "DenseTableSpec", "InitConfig", "Mode",
+    "PeerLostError", "ProtocolError", "PSConfig", "PSError", "PSTimeoutError", "RemoteError",
+    "RuleConfig", "SparseTableSpec", "Tables", "KVClient", "PullResult", "SparseRows",
+    "Communicator", "PSServer", "run_server", "make_communicator",
 ]

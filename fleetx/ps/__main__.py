@@ -4,7 +4,8 @@
 
 ``cluster.json`` holds ``{"config": PSConfig fields, "tables": Tables.to_json() object}``. The
 process prints ``listening <host:port>`` once it accepts connections, serves until every
-worker stopped, and exits 0, or 1 naming the worker that was lost.
+worker stopped, and exits 0, or 1 naming the worker that was lost. The shared secret comes
+from ``FLEETX_PS_SECRET`` or ``FLEETX_PS_SECRET_FILE``, never from the cluster file.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import logging
 import sys
 
 from fleetx.ps.api import PSConfig, PSError, Tables
+from fleetx.ps.handshake import settings_from_env
 from fleetx.ps.server import PSServer
 
 
@@ -30,7 +32,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(message)s")
     with open(args.cluster) as f:
         spec = json.load(f)
-    config = PSConfig(**spec["config"])
+    secret = {k: v for k, v in settings_from_env().items() if k.startswith("secret") and v}
+    config = PSConfig(**{**spec["config"], **secret})
     tables = Tables.from_json(json.dumps(spec["tables"]))
     server = PSServer(config, args.index, tables, load_dir=args.load).start()
     print(f"listening {server.endpoint}", flush=True)

@@ -28,7 +28,7 @@ __all__ = [
     "WIRE_MAGIC", "WIRE_VERSION", "HEADER", "DESCRIPTOR", "FLAG_REPLY", "FLAG_ERROR",
     "MAX_META_BYTES", "MAX_BUFFERS", "Kind", "DTYPES", "DTYPE_CODES", "Mode",
     "PSError", "ConfigError", "ProtocolError", "PeerLostError", "RemoteError", "PSTimeoutError",
-    "StateError",
+    "StateError", "AuthError", "DEFAULT_MAX_FRAME_BYTES",
     "RuleConfig", "InitConfig", "SparseTableSpec", "DenseTableSpec", "Tables", "PSConfig",
     "CommunicatorConfig",
 ]
@@ -47,6 +47,10 @@ FLAG_REPLY = 0x1  # the frame answers the request with the same id
 FLAG_ERROR = 0x2  # a reply whose meta carries {"error": class name, "message": text}
 MAX_META_BYTES = 1 << 20  # a larger meta block means a corrupt or hostile frame
 MAX_BUFFERS = 1 << 16
+#: Largest frame (payload bytes) a peer may announce; checked on the header, before anything is
+#: allocated. 1 GiB holds a dense table of 256 M float32 values per server in one INIT or PUSH,
+#: far beyond a CTR model's dense part, while a corrupt header (up to 16 EiB) is refused at once.
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
 
 assert HEADER.size == 32 and DESCRIPTOR.size == 16
 
@@ -120,6 +124,12 @@ class RemoteError(PSError):
 
 class PSTimeoutError(PSError, TimeoutError):
     """A bounded wait (connect, registration, an explicit timeout) ran out."""
+
+
+class AuthError(PSError):
+    """A connection failed the shared-secret handshake: the peer does not hold the job's secret
+    (or holds another one), or it is not a fleetx parameter server at all. The message names the
+    endpoint; it never contains a secret or a digest of one."""
 
 
 class StateError(PSError):
@@ -357,6 +367,15 @@ class PSConfig:
         dead_after: a peer silent for this long (no frame, not even a heartbeat) is dead.
         timeout: seconds to wait for servers to come up and for every worker to register.
         log_interval: seconds between a server's log lines (rows, memory, requests/s).
+        max_frame_bytes: the largest frame payload a peer may announce; a larger header ends
+            the connection before anything is allocated (``FLEETX_PS_MAX_FRAME_MB``).
+        max_connections: authenticated connections a server keeps at once (each costs two
+            threads); 0 means ``2 * num_workers + 16``. Further ones are closed at once.
+        secret: the job's shared secret (``FLEETX_PS_SECRET``); never printed, never compared
+            or serialised with the rest of the config.
+        secret_file: a file holding the secret (``FLEETX_PS_SECRET_FILE``), read when a
+            connection is made. Neither given: servers bound to loopback accept any local
+            process (with a warning); others refuse to start.
     """
 
     servers: tuple
@@ -367,6 +386,10 @@ class PSConfig:
     dead_after: float = 15.0
     timeout: float = 300.0
     log_interval: float = 60.0
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_connections: int = 0
+    secret: Optional[str] = field(default=None, repr=False, compare=False)
+    secret_file: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -383,14 +406,25 @@ class PSConfig:
                  f"PSConfig: need 0 < heartbeat_interval ({self.heartbeat_interval}) < "
                  f"dead_after ({self.dead_after})")
         _require(self.timeout > 0, "PSConfig.timeout must be > 0")
+        _require(isinstance(self.max_frame_bytes, int) and self.max_frame_bytes >= 1 << 20,
+                 f"PSConfig.max_frame_bytes={self.max_frame_bytes!r}: expected an int >= 1 MiB")
+        _require(isinstance(self.max_connections, int) and self.max_connections >= 0,
+                 f"PSConfig.max_connections={self.max_connections!r}: expected an int >= 0")
 
     @property
     def num_servers(self) -> int:
         return len(self.servers)
 
+    @property
+    def connection_limit(self) -> int:
+        """Authenticated connections a server keeps at once (``max_connections`` or its
+        default: every worker once, twice over, plus room for tools)."""
+        return self.max_connections or 2 * self.num_workers + 16
+
     def to_dict(self) -> dict:
+        """Every field but ``secret`` (a cluster file must not carry it)."""
         return {f.name: (getattr(self, f.name).value if f.name == "mode"
-                         else getattr(self, f.name)) for f in fields(self)}
+                         else getattr(self, f.name)) for f in fields(self) if f.name != "secret"}
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from fleetx.ps.api import (ConfigError, Kind, Mode, PeerLostError, PSConfig, PSE
                            endpoint_of)
 from fleetx.ps.partition import Route, dense_ranges, route
 from fleetx.ps.tracker import Handle, Tracker
-from fleetx.ps.transport import Heartbeats, Link, Message, connect
+from fleetx.ps.handshake import connect, resolve_secret
+from fleetx.ps.transport import Heartbeats, Link, Message
 
 __all__ = ["KVClient", "SparseRows", "PullResult"]
 
@@ -89,19 +90,24 @@ class KVClient:
     # ------------------------------------------------------------------ life cycle
 
     def start(self) -> None:
-        """Connect to every server (waiting up to ``config.timeout`` for them) and say HELLO.
+        """Connect to every server (waiting up to ``config.timeout`` for them), prove that this
+        process holds the job's secret (and check that each server does), and say HELLO.
 
         Raises:
             PSTimeoutError: a server is not reachable (named in the message).
-            ConfigError: a server has another table layout or mode.
+            AuthError: a server rejected this process's secret, or did not prove it holds it.
+            ConfigError: a server has another table layout or mode; the secret file is
+                unreadable.
         """
         c = self.config
+        key = resolve_secret(c) or b""
         self._heartbeats = Heartbeats(c.heartbeat_interval)
         for i in range(c.num_servers):
             host, port = endpoint_of(c.servers, i)
             name = f"server {i} ({c.servers[i]})"
-            link = Link(connect(host, port, name, c.timeout), name, self._on_reply,
-                        self._on_lost, c.dead_after, self._allocate)
+            link = Link(connect(host, port, name, c.timeout, key), name, self._on_reply,
+                        self._on_lost, c.dead_after, self._allocate,
+                        max_frame_bytes=c.max_frame_bytes)
             link.peer_info["index"] = i
             self._links.append(link.start())
             self._heartbeats.add(link)

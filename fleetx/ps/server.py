@@ -35,11 +35,17 @@ from typing import Optional
 from fleetx.ps.api import (ConfigError, Kind, Mode, PeerLostError, ProtocolError, PSConfig,
                            PSError, Tables, endpoint_of)
 from fleetx.ps.shard import Shard
-from fleetx.ps.transport import Heartbeats, Link, Listener, Message
+from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor
+from fleetx.ps.handshake import require_secret
+from fleetx.ps.transport import Heartbeats, Link, Message
 
 __all__ = ["PSServer", "run_server"]
 
 log = logging.getLogger("fleetx.ps")
+
+#: requests of one connection waiting for the handler at once; more wait in that connection's
+#: socket, so a flood from one peer delays the others' requests by at most this many
+_MAX_INFLIGHT = 16
 
 
 class _Lost:
@@ -86,7 +92,9 @@ class PSServer:
         self._barriers: dict[str, dict[int, tuple]] = {}
         self._requests = 0
         self._done = threading.Event()
-        self._listener: Optional[Listener] = None
+        self._acceptor: Optional[Acceptor] = None
+        self._links: set[Link] = set()  # authenticated connections (bounded: connection_limit)
+        self._links_lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._heartbeats: Optional[Heartbeats] = None
         self._handlers = {Kind.HELLO: self._on_hello, Kind.BYE: self._on_bye,
@@ -100,19 +108,29 @@ class PSServer:
     @property
     def endpoint(self) -> str:
         """``host:port`` actually listened on (after :meth:`start`)."""
-        return self._listener.endpoint if self._listener else self.config.servers[self.index]
+        return self._acceptor.endpoint if self._acceptor else self.config.servers[self.index]
 
     def start(self) -> "PSServer":
-        """Listen and serve in background threads; returns at once."""
+        """Listen and serve in background threads; returns at once.
+
+        Raises:
+            ConfigError: no shared secret while listening on a non-loopback address, or the
+                secret file cannot be read.
+            PeerLostError: the endpoint cannot be listened on.
+        """
         host, port = endpoint_of(self.config.servers, self.index)
-        self._listener = Listener(host, port)
+        key = require_secret(self.config, host, self.name)
+        # a connection silent for dead_after is dead; a real handshake takes about a millisecond
+        self._acceptor = Acceptor(host, port, key, self.name, self._has_room, self._adopt,
+                                  handshake_timeout=min(HANDSHAKE_TIMEOUT, self.config.dead_after))
         self.name = f"server {self.index} ({self.endpoint})"
+        self._acceptor.name = self.name
         self._heartbeats = Heartbeats(self.config.heartbeat_interval)
         self._started = time.monotonic()
-        for target, name in ((self._accept, "ps-accept"), (self._serve, "ps-handler")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        t = threading.Thread(target=self._serve, name="ps-handler", daemon=True)
+        t.start()
+        self._threads.append(t)
+        self._acceptor.start()
         log.info("%s: listening on %s, mode %s, %d workers expected", self.name, self.endpoint,
                  self.config.mode.value, self.config.num_workers)
         return self
@@ -123,7 +141,7 @@ class PSServer:
         Raises:
             PeerLostError: a worker died or never connected (the first such worker is named).
         """
-        if self._listener is None:
+        if self._acceptor is None:
             self.start()
         try:
             while not self._done.wait(0.5):
@@ -136,32 +154,40 @@ class PSServer:
     def stop(self) -> None:
         """Stop serving and close every connection."""
         self._done.set()
+        if self._acceptor:
+            self._acceptor.close()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
-        for w in self._workers.values():
-            if w.link:
-                w.link.close()
+        with self._links_lock:
+            links, self._links = list(self._links), set()
+        for link in links:
+            link.close()
         if self._heartbeats:
             self._heartbeats.stop()
-        if self._listener:
-            self._listener.close()
 
-    def _accept(self) -> None:
-        while not self._done.is_set():
-            sock = self._listener.accept()
-            if sock is None:
-                continue
-            peer = "connection from %s:%d" % sock.getpeername()[:2]
-            link = Link(sock, peer, self._on_message, self._on_link_lost, self.config.dead_after)
-            self._heartbeats.add(link)
-            link.start()
+    def _has_room(self) -> bool:
+        with self._links_lock:
+            return len(self._links) < self.config.connection_limit and not self._done.is_set()
+
+    def _adopt(self, sock, peer: str) -> None:
+        """An authenticated connection (from the acceptor's thread): serve it. Replies are
+        queued per link, so a peer that stops reading never blocks the handler thread."""
+        link = Link(sock, f"connection from {peer}", self._on_message, self._on_link_lost,
+                    self.config.dead_after, max_frame_bytes=self.config.max_frame_bytes,
+                    queued=True, max_inflight=_MAX_INFLIGHT)
+        with self._links_lock:
+            self._links.add(link)
+        self._heartbeats.add(link)
+        link.start()
 
     def _on_message(self, link: Link, msg: Message) -> None:
         self._queue.put((link, msg))
 
     def _on_link_lost(self, link: Link, reason: str) -> None:
         self._heartbeats.discard(link)
+        with self._links_lock:
+            self._links.discard(link)
         self._queue.put((link, _Lost(reason)))
 
     # ------------------------------------------------------------------ handler thread
@@ -179,6 +205,7 @@ class PSServer:
             elif item is not None:
                 self._requests += 1
                 self._dispatch(link, item)
+                link.handled()  # the link may hand over its next request
             now = time.monotonic()
             self._check_registration(now)
             if now >= next_log:
@@ -210,6 +237,12 @@ class PSServer:
             link.send(msg)
         except PeerLostError:
             pass  # the link reported itself lost; its worker is handled there
+        except ProtocolError as e:  # the reply cannot travel (over the frame limit): say so
+            log.error("%s: reply to %s: %s", self.name, link.name, e)
+            try:
+                link.send(Message(msg.kind, msg.req_id).error_reply(e))
+            except PSError:
+                pass
 
     def _finished(self) -> bool:
         states = [self._workers[r].state if r in self._workers else None
@@ -224,8 +257,7 @@ class PSServer:
         if not 0 <= rank < self.config.num_workers:
             raise ConfigError(f"worker rank {rank} outside [0, {self.config.num_workers})")
         if m.get("fingerprint") != self.tables.fingerprint():
-            raise ConfigError(f"worker {rank} has another table layout (fingerprint "
-                              f"{m.get('fingerprint')}, here {self.tables.fingerprint()}); "
+            raise ConfigError(f"worker {rank} has another table layout than this server; "
                               "build the tables from the same model and optimizer everywhere")
         if m.get("mode") != self.config.mode.value:
             raise ConfigError(f"worker {rank} runs mode {m.get('mode')!r}, this server runs "
@@ -348,7 +380,8 @@ class PSServer:
     def stats(self) -> dict:
         """Rows and bytes per table, requests served, peak resident memory."""
         return {"server": self.index, "requests": self._requests, **self.shard.stats(),
-                "workers": {w.rank: w.state for w in self._workers.values()}}
+                "workers": {w.rank: w.state for w in self._workers.values()},
+                "connections": self._acceptor.counters() if self._acceptor else {}}
 
     def _stats_line(self, rate: float) -> str:
         s = self.stats()

@@ -1,22 +1,37 @@
-"""The only network code of the parameter server: framed TCP links, heartbeats, liveness.
+"""Framed links between parameter-server peers: framing, heartbeats, liveness, slow readers.
 
-A :class:`Link` is one TCP connection to a peer. Sending writes a frame (``api.HEADER``,
-descriptors, JSON meta, raw buffers) with one ``sendmsg`` of memoryviews, so arrays go from
-their own memory to the kernel without a Python-level copy. A receive thread reads frames
-with ``recv_into`` straight into their final arrays (the owner may supply preallocated
-targets through ``allocator``) and hands each message to ``on_message``.
+A :class:`Link` is one authenticated TCP connection to a peer (the handshake is
+:mod:`fleetx.ps.handshake`; servers accept through :mod:`fleetx.ps.acceptor`). Sending writes a
+frame (``api.HEADER``, descriptors, JSON meta, raw buffers) from the arrays' own memory with
+one ``sendmsg`` / ``writev``. A receive thread reads frames with ``recv_into`` straight into
+their final arrays (the owner may supply preallocated targets through ``allocator``) and hands
+each message to ``on_message``.
 
-Liveness is built in: every socket has a timeout of ``dead_after`` seconds, and a
-:class:`Heartbeats` thread sends a HEARTBEAT frame on every link idle for
-``heartbeat_interval``. A receive that sees nothing for ``dead_after`` (no data, not even a
-heartbeat), a closed or reset connection, or a malformed frame ends the link and calls
-``on_lost(link, reason)`` exactly once; a blocked send fails the same way. So no wait on a
-link can outlast a dead peer by more than ``dead_after``.
+Limits that keep one peer from hurting the others:
+
+* a frame's header announces its size; one above ``max_frame_bytes`` ends the link before
+  anything is allocated;
+* a frame must arrive in ``dead_after`` seconds plus one second per MiB: a peer trickling
+  bytes is cut at that deadline (a per-``recv`` timeout would let one byte every few seconds
+  keep it forever);
+* a *queued* link (the server's) never blocks its sender: what the socket does not take at
+  once is copied to a per-link queue that a writer thread drains. A peer whose unread replies
+  exceed ``max_queued_bytes``, or that reads nothing for ``dead_after`` seconds, is dropped.
+
+Liveness: a :class:`Heartbeats` thread sends a HEARTBEAT on every link idle for
+``heartbeat_interval``; a link that receives nothing for ``dead_after`` (not even a
+heartbeat), is closed or reset, or receives a malformed or late frame ends and calls
+``on_lost(link, reason)`` exactly once; a send that makes no progress for ``dead_after`` fails
+the same way. So no wait on a link can outlast a dead peer by more than ``dead_after``.
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import logging
+import os
+import select
 import socket
 import threading
 import time
@@ -24,17 +39,20 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from fleetx.ps.api import (DESCRIPTOR, DTYPE_CODES, DTYPES, FLAG_ERROR, FLAG_REPLY, HEADER,
-                           MAX_BUFFERS, MAX_META_BYTES, WIRE_MAGIC, WIRE_VERSION, Kind,
-                           PeerLostError, ProtocolError, PSTimeoutError)
+from fleetx.ps.api import (DEFAULT_MAX_FRAME_BYTES, DESCRIPTOR, DTYPE_CODES, DTYPES, FLAG_ERROR,
+                           FLAG_REPLY, HEADER, MAX_BUFFERS, MAX_META_BYTES, WIRE_MAGIC,
+                           WIRE_VERSION, Kind, PeerLostError, ProtocolError)
 
-__all__ = ["Message", "Link", "Listener", "Heartbeats", "connect"]
+__all__ = ["Message", "Link", "Heartbeats", "MAX_QUEUED_BYTES"]
 
 log = logging.getLogger("fleetx.ps")
 
 _SOCK_BUF = 4 << 20  # 4 MiB socket buffers: big sends are much cheaper (see baselines §1)
 _IOV_MAX = 512       # buffers per sendmsg call (Linux allows 1024)
-_EMPTY = np.empty(0, np.uint8)
+_TICK = 0.5          # socket timeout: how often blocked threads look at their deadlines
+_MIN_RATE = 1 << 20  # bytes/s a frame must average after its first dead_after seconds
+#: unread replies a queued link holds beyond the frame being written before it drops the peer
+MAX_QUEUED_BYTES = 64 << 20
 
 
 class Message:
@@ -70,12 +88,21 @@ class Message:
                 f"meta={self.meta}, bufs={[b.shape for b in self.bufs]})")
 
 
-def _encode(msg: Message) -> list:
-    """The frame as a list of byte views: header+descriptors+meta, then every buffer."""
+def _encode(msg: Message, max_frame_bytes: int) -> list:
+    """The frame as a list of byte views: header+descriptors+meta, then every buffer.
+
+    Raises:
+        ProtocolError: a dtype that cannot travel, or a frame larger than the peer accepts.
+    """
     meta = json.dumps(msg.meta, separators=(",", ":")).encode()
     arrays = [np.ascontiguousarray(b) for b in msg.bufs]
+    total = sum(a.nbytes for a in arrays)
+    if total > max_frame_bytes:
+        raise ProtocolError(f"a {msg.kind.name} frame of {total} bytes exceeds the limit of "
+                            f"{max_frame_bytes} bytes (FLEETX_PS_MAX_FRAME_MB); send less at "
+                            "once or raise the limit on every process")
     head = [HEADER.pack(WIRE_MAGIC, WIRE_VERSION, msg.kind, msg.flags, msg.req_id, len(arrays),
-                        len(meta), sum(a.nbytes for a in arrays))]
+                        len(meta), total)]
     for a in arrays:
         code = DTYPE_CODES.get(a.dtype.str)
         if code is None:
@@ -88,11 +115,15 @@ def _encode(msg: Message) -> list:
 Allocator = Callable[[Message, list], Optional[list]]
 
 
+class _Late(Exception):
+    """A frame did not complete before its deadline, or the peer fell silent."""
+
+
 class Link:
-    """A framed, heartbeat-watched TCP connection to one peer.
+    """A framed, heartbeat-watched connection to one peer.
 
     Args:
-        sock: a connected socket.
+        sock: a connected (and authenticated) socket.
         name: how errors name the peer (``"server 0 (host:port)"``); may be renamed later.
         on_message: ``fn(link, message)``, called from the receive thread for every
             non-heartbeat frame.
@@ -101,26 +132,50 @@ class Link:
         dead_after: seconds of silence after which the peer counts as dead.
         allocator: optional ``fn(message_without_buffers, [(dtype, nbytes), ...])`` returning a
             list with a preallocated array (or None) per buffer, to receive into directly.
+        max_frame_bytes: the largest frame payload accepted (or sent).
+        queued: :meth:`send` never blocks: what the socket does not take at once waits in a
+            queue drained by a writer thread (servers answer many peers from one thread).
+        max_queued_bytes: a queued link whose unread data exceeds this is dropped.
+        max_inflight: at most this many received frames may be handed to ``on_message`` and
+            not yet marked :meth:`handled`; the receive thread waits (reading nothing more
+            from this peer) until the owner catches up, so one peer flooding requests cannot
+            queue unbounded work ahead of the others. None: no limit.
     """
 
     def __init__(self, sock: socket.socket, name: str,
                  on_message: Callable[["Link", Message], None],
                  on_lost: Callable[["Link", str], None], dead_after: float,
-                 allocator: Optional[Allocator] = None) -> None:
+                 allocator: Optional[Allocator] = None, *,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, queued: bool = False,
+                 max_queued_bytes: int = MAX_QUEUED_BYTES,
+                 max_inflight: Optional[int] = None) -> None:
         self.sock, self.name = sock, name
         self._on_message, self._on_lost, self._allocator = on_message, on_lost, allocator
-        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()  # guards the queue and closing
+        self._send_lock = threading.Lock()  # one blocking send at a time
         self._closed = threading.Event()
-        self.dead_after = dead_after
+        self.dead_after, self.max_frame_bytes = dead_after, max_frame_bytes
+        self._max_queued = max_queued_bytes
         self.last_send = self.last_recv = time.monotonic()
         self.peer_info: dict = {}  # filled by the owner (e.g. a worker's rank after HELLO)
+        self._out: collections.deque = collections.deque()  # queued mode: unsent byte views
+        self._out_bytes = 0
+        self._io_threads = 0  # the socket is closed when the last of them ends
+        self._credits = threading.BoundedSemaphore(max_inflight) if max_inflight else None
         _tune(sock)
-        sock.settimeout(dead_after)
-        self._thread = threading.Thread(target=self._recv_loop, name=f"ps-recv {name}",
-                                        daemon=True)
+        sock.settimeout(min(_TICK, dead_after / 2))
+        self._threads = [threading.Thread(target=self._recv_loop, name=f"ps-recv {name}",
+                                          daemon=True)]
+        if queued:
+            self._threads.append(threading.Thread(target=self._write_loop,
+                                                  name=f"ps-send {name}", daemon=True))
+        self.queued = queued
 
     def start(self) -> "Link":
-        self._thread.start()
+        with self._cond:
+            self._io_threads = len(self._threads)
+        for t in self._threads:
+            t.start()
         return self
 
     @property
@@ -128,42 +183,179 @@ class Link:
         return self._closed.is_set()
 
     def send(self, msg: Message) -> None:
-        """Write one frame (thread-safe). Raises PeerLostError if the link is or goes down."""
-        parts = _encode(msg)
-        with self._send_lock:
+        """Write one frame (thread-safe). On a queued link this never blocks.
+
+        Raises:
+            PeerLostError: the link is or goes down (a queued link: the peer reads too slowly).
+            ProtocolError: the frame cannot travel (dtype, size); the link stays up.
+        """
+        parts = _encode(msg, self.max_frame_bytes)
+        # a blocking send must not hold _cond: closing the link from another thread (a lost
+        # peer seen by the receive thread) has to wake it, not wait for it
+        with (self._cond if self.queued else self._send_lock):
             if self._closed.is_set():
                 raise PeerLostError(self.name, "connection already closed")
-            try:
-                _sendmsg_all(self.sock, parts)
-            except socket.timeout:
-                self._lose(f"a send made no progress for {self.dead_after:g} s")
-                raise PeerLostError(self.name, "send timed out") from None
-            except OSError as e:
-                self._lose(f"send failed: {e}")
-                raise PeerLostError(self.name, f"send failed: {e}") from None
-            self.last_send = time.monotonic()
+            if self.queued:
+                self._enqueue(parts)
+            else:
+                self._send_blocking(parts)
 
     def close(self) -> None:
         """End the link on purpose (no ``on_lost`` call)."""
-        if not self._closed.is_set():
+        self._end()
+
+    def handled(self) -> None:
+        """The owner is done with one frame it was handed (see ``max_inflight``)."""
+        if self._credits is not None:
+            try:
+                self._credits.release()
+            except ValueError:  # more calls than frames: harmless
+                pass
+
+    def _wait_for_credit(self) -> bool:
+        while self._credits is not None and not self._credits.acquire(timeout=_TICK):
+            if self._closed.is_set():
+                return False
+        return True
+
+    # -- sending ------------------------------------------------------------------------------
+    def _send_blocking(self, parts: list) -> None:
+        views = [memoryview(p) for p in parts]
+        progress = time.monotonic()
+        while views:
+            try:
+                _advance(views, self.sock.sendmsg(views[:_IOV_MAX]))
+                progress = time.monotonic()
+            except socket.timeout:
+                if time.monotonic() - progress > self.dead_after:
+                    reason = f"a send made no progress for {self.dead_after:g} s"
+                    self._lose(reason)
+                    raise PeerLostError(self.name, "send timed out") from None
+            except OSError as e:
+                self._lose(f"send failed: {e}")
+                raise PeerLostError(self.name, f"send failed: {e}") from None
+        self.last_send = time.monotonic()
+
+    def _enqueue(self, parts: list) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        if not self._out:
+            try:
+                self._write_some(views)
+            except OSError as e:
+                self._lose(f"send failed: {e}")
+                raise PeerLostError(self.name, f"send failed: {e}") from None
+            if not views:
+                return
+        size = sum(len(v) for v in views)
+        if self._out_bytes and self._out_bytes + size > self._max_queued:
+            reason = (f"reads too slowly: {self._out_bytes + size} bytes of replies unread "
+                      f"(limit {self._max_queued})")
+            self._lose(reason)
+            raise PeerLostError(self.name, reason)
+        # a copy: the caller may change its arrays once send() returns, as after a direct send
+        self._out.extend(memoryview(bytes(v)) for v in views)
+        self._out_bytes += size
+        self._cond.notify_all()
+
+    def _write_some(self, views: list) -> None:
+        """Write what the socket takes now, without waiting; drops what was written."""
+        while views:
+            try:
+                n = os.writev(self.sock.fileno(), views[:_IOV_MAX])
+            except BlockingIOError:
+                return
+            _advance(views, n)
+            self.last_send = time.monotonic()
+
+    def _write_loop(self) -> None:
+        poller = select.poll()
+        stalled: Optional[float] = None
+        try:
+            poller.register(self.sock.fileno(), select.POLLOUT)
+            while True:
+                with self._cond:
+                    while not self._out and not self._closed.is_set():
+                        self._cond.wait()
+                    if self._closed.is_set():
+                        return
+                    written = self._write_queued()
+                if written or not self._out:
+                    stalled = None
+                    continue
+                now = time.monotonic()
+                stalled = stalled or now
+                if now - stalled > self.dead_after:
+                    with self._cond:
+                        self._lose(f"reads nothing: {self._out_bytes} bytes of replies unread "
+                                   f"for {self.dead_after:g} s")
+                    return
+                poller.poll(_TICK * 1000)
+        except OSError as e:
+            with self._cond:
+                self._lose(f"send failed: {e}")
+        finally:
+            self._io_ended()
+
+    def _write_queued(self) -> int:
+        """One non-blocking ``writev`` from the front of the queue (under ``_cond``); the bytes
+        written. Only the first ``_IOV_MAX`` chunks are looked at, so a long queue of small
+        replies costs no more per call than a short one."""
+        out = self._out
+        try:
+            n = os.writev(self.sock.fileno(), list(itertools.islice(out, _IOV_MAX)))
+        except BlockingIOError:
+            return 0
+        left = n
+        while left:
+            if left >= len(out[0]):
+                left -= len(out.popleft())
+            else:
+                out[0] = out[0][left:]
+                left = 0
+        self._out_bytes -= n
+        if n:
+            self.last_send = time.monotonic()
+        return n
+
+    # -- ending -------------------------------------------------------------------------------
+    def _end(self) -> bool:
+        """Mark closed and wake every thread using the socket; the last one closes it (so its
+        descriptor cannot be reused by another connection while one still writes to it)."""
+        with self._cond:
+            if self._closed.is_set():
+                return False
             self._closed.set()
-            _shutdown(self.sock)
+            self._out.clear()
+            self._out_bytes = 0
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if self._io_threads == 0:
+                self.sock.close()
+            self._cond.notify_all()
+        return True
+
+    def _io_ended(self) -> None:
+        with self._cond:
+            self._io_threads -= 1
+            if self._io_threads == 0 and self._closed.is_set():
+                self.sock.close()
 
     def _lose(self, reason: str) -> None:
-        if not self._closed.is_set():
-            self._closed.set()
-            _shutdown(self.sock)
+        if self._end():
             self._on_lost(self, reason)
 
+    # -- receiving ----------------------------------------------------------------------------
     def _recv_loop(self) -> None:
         try:
             while not self._closed.is_set():
                 msg = self._recv_frame()
                 self.last_recv = time.monotonic()
-                if msg.kind != Kind.HEARTBEAT:
+                if msg.kind != Kind.HEARTBEAT and self._wait_for_credit():
                     self._on_message(self, msg)
-        except socket.timeout:
-            self._lose(f"no frame or heartbeat for {self.dead_after:g} s")
+        except _Late as e:
+            self._lose(str(e))
         except EOFError:
             self._lose("connection closed by peer")
         except ProtocolError as e:
@@ -173,10 +365,36 @@ class Link:
         except Exception as e:  # a bug in a handler must not leave the peer waiting forever
             log.exception("ps: link %s: handler failed", self.name)
             self._lose(f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self._io_ended()
+
+    def _fill(self, view: memoryview, deadline: Optional[float]) -> float:
+        """Receive exactly ``len(view)`` bytes before ``deadline``. None: the start of a frame,
+        awaited for ``dead_after`` seconds of silence; from its first byte on, the frame has
+        ``dead_after`` seconds. Returns the deadline in force."""
+        got, n = 0, len(view)
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:])
+            except socket.timeout:
+                now = time.monotonic()
+                if deadline is None:
+                    if now - self.last_recv > self.dead_after:
+                        raise _Late(f"no frame or heartbeat for {self.dead_after:g} s") from None
+                elif now > deadline:
+                    raise _Late("a frame was not complete within its deadline (dead_after "
+                                "plus 1 s per MiB): the peer sends too slowly") from None
+                continue
+            if k == 0:
+                raise EOFError
+            got += k
+            if deadline is None:  # the frame has begun: it must now complete in time
+                deadline = time.monotonic() + self.dead_after
+        return deadline
 
     def _recv_frame(self) -> Message:
         head = bytearray(HEADER.size)
-        _recv_into(self.sock, memoryview(head))
+        deadline = self._fill(memoryview(head), None)
         magic, version, kind, flags, req_id, nbufs, meta_len, total = HEADER.unpack(head)
         if magic != WIRE_MAGIC:
             raise ProtocolError(f"bad magic {bytes(magic)!r} (not a fleetx.ps peer?)")
@@ -184,22 +402,18 @@ class Link:
             raise ProtocolError(f"wire version {version}, expected {WIRE_VERSION}")
         if nbufs > MAX_BUFFERS or meta_len > MAX_META_BYTES:
             raise ProtocolError(f"frame too large: {nbufs} buffers, {meta_len} meta bytes")
+        if total > self.max_frame_bytes:
+            raise ProtocolError(f"a frame announces {total} bytes, more than the limit of "
+                                f"{self.max_frame_bytes} (FLEETX_PS_MAX_FRAME_MB)")
         rest = bytearray(nbufs * DESCRIPTOR.size + meta_len)
-        _recv_into(self.sock, memoryview(rest))
-        descs = []
-        for i in range(nbufs):
-            code, nbytes = DESCRIPTOR.unpack_from(rest, i * DESCRIPTOR.size)
-            dtype = DTYPES.get(code)
-            if dtype is None or nbytes % np.dtype(dtype).itemsize:
-                raise ProtocolError(f"buffer {i}: bad dtype code {code} or size {nbytes}")
-            descs.append((np.dtype(dtype), nbytes))
-        if sum(n for _, n in descs) != total:
-            raise ProtocolError("buffer sizes do not add up to the header's payload size")
+        self._fill(memoryview(rest), deadline)
+        descs = _descriptors(rest, nbufs, total)
         try:
             meta = json.loads(bytes(rest[nbufs * DESCRIPTOR.size:]) or b"{}")
             msg = Message(kind, req_id, meta, (), flags)
         except ValueError as e:
             raise ProtocolError(f"bad meta or kind: {e}") from None
+        deadline += total / _MIN_RATE
         targets = self._allocator(msg, descs) if self._allocator else None
         for i, (dtype, nbytes) in enumerate(descs):
             arr = targets[i] if targets and i < len(targets) else None
@@ -209,9 +423,22 @@ class Link:
                 raise ProtocolError(f"buffer {i}: reply does not fit its target "
                                     f"({nbytes} bytes of {dtype} for {arr.nbytes} of {arr.dtype})")
             if nbytes:
-                _recv_into(self.sock, memoryview(arr.reshape(-1).view(np.uint8)))
+                self._fill(memoryview(arr.reshape(-1).view(np.uint8)), deadline)
             msg.bufs.append(arr)
         return msg
+
+
+def _descriptors(rest: bytearray, nbufs: int, total: int) -> list:
+    descs = []
+    for i in range(nbufs):
+        code, nbytes = DESCRIPTOR.unpack_from(rest, i * DESCRIPTOR.size)
+        dtype = DTYPES.get(code)
+        if dtype is None or nbytes % np.dtype(dtype).itemsize:
+            raise ProtocolError(f"buffer {i}: bad dtype code {code} or size {nbytes}")
+        descs.append((np.dtype(dtype), nbytes))
+    if sum(n for _, n in descs) != total:
+        raise ProtocolError("buffer sizes do not add up to the header's payload size")
+    return descs
 
 
 def _tune(sock: socket.socket) -> None:
@@ -221,88 +448,17 @@ def _tune(sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got, n = 0, len(view)
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError
-        got += k
-
-
-def _sendmsg_all(sock: socket.socket, parts: list) -> None:
-    views = [memoryview(p) for p in parts]
-    while views:
-        sent = sock.sendmsg(views[:_IOV_MAX])
-        while sent and views:
-            if sent >= len(views[0]):
-                sent -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
-        while views and len(views[0]) == 0:
+def _advance(views: list, sent: int) -> None:
+    """Drop ``sent`` bytes from the front of ``views`` (in place)."""
+    while sent and views:
+        if sent >= len(views[0]):
+            sent -= len(views[0])
             views.pop(0)
-
-
-class Listener:
-    """A listening TCP socket. ``port`` 0 picks a free port (see :attr:`endpoint`)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as e:
-            self.sock.close()
-            raise PeerLostError(f"server endpoint {host}:{port}", f"cannot listen: {e}") from None
-        self.sock.listen(128)
-        self.sock.settimeout(0.2)  # accept() wakes up to notice close()
-        self.host, self.port = host, self.sock.getsockname()[1]
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def accept(self) -> Optional[socket.socket]:
-        """A new connection, or None after 0.2 s without one."""
-        try:
-            conn, _ = self.sock.accept()
-        except socket.timeout:
-            return None
-        conn.setblocking(True)
-        return conn
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-def connect(host: str, port: int, name: str, timeout: float) -> socket.socket:
-    """Connect, retrying while the peer is not listening yet (servers may start later than
-    workers).
-
-    Raises:
-        PSTimeoutError: no connection within ``timeout`` seconds; the message names ``name``.
-    """
-    deadline, delay, last = time.monotonic() + timeout, 0.05, None
-    while True:
-        try:
-            return socket.create_connection((host, port), timeout=min(10.0, timeout))
-        except OSError as e:
-            last = e
-        if time.monotonic() + delay > deadline:
-            raise PSTimeoutError(f"{name} is not reachable at {host}:{port} after {timeout:.0f} s "
-                                 f"({last})")
-        time.sleep(delay)
-        delay = min(1.0, delay * 2)
+        else:
+            views[0] = views[0][sent:]
+            sent = 0
+    while views and len(views[0]) == 0:
+        views.pop(0)
 
 
 class Heartbeats:

@@ -27,6 +27,7 @@ from typing import Optional
 from fleetx import env
 from fleetx.comm.groups import default_timeout
 from fleetx.ps.api import CommunicatorConfig, PSConfig, RuleConfig
+from fleetx.ps.handshake import settings_from_env
 from fleetx.ps.runtime import PSRuntime
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
@@ -82,7 +83,9 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
 
     Liveness and logging come from the environment: ``FLEETX_TIMEOUT`` (servers coming up,
     workers registering), ``FLEETX_PS_HEARTBEAT_INTERVAL``, ``FLEETX_PS_DEAD_AFTER`` and
-    ``FLEETX_LOG_INTERVAL``.
+    ``FLEETX_LOG_INTERVAL``; the shared secret and the frame limit from ``FLEETX_PS_SECRET`` /
+    ``FLEETX_PS_SECRET_FILE`` and ``FLEETX_PS_MAX_FRAME_MB`` (the secret is checked only when a
+    connection is made).
 
     Raises:
         fleetx.env.EnvError: a variable is malformed.
@@ -95,7 +98,8 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
                     heartbeat_interval=env.get_float("FLEETX_PS_HEARTBEAT_INTERVAL", 3.0),
                     dead_after=env.get_float("FLEETX_PS_DEAD_AFTER", 15.0),
                     timeout=default_timeout(),
-                    log_interval=interval if interval > 0 else float("inf"))
+                    log_interval=interval if interval > 0 else float("inf"),
+                    **settings_from_env())
 
 
 @register

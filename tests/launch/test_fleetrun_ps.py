@@ -63,7 +63,7 @@ def test_local_flags_start_everything_here_with_the_reference_environment():
 
 def test_each_node_starts_its_own_endpoints_and_bare_worker_ips_get_paddles_ports():
     c = config(servers=("10.0.0.1:6000", "10.0.0.2:6000"), workers=("10.0.0.1", "10.0.0.2"))
-    p = ps.plan(c, is_local=lambda ip: ip == "10.0.0.2", user_omp="4")
+    p = ps.plan(c, is_local=lambda ip: ip == "10.0.0.2", user_omp="4", user_secret=True)
     assert p.workers == ("10.0.0.1:6172", "10.0.0.2:6173")
     assert [q.name for q in p.local] == ["server 1 (10.0.0.2:6000)", "worker 1 (10.0.0.2:6173)"]
     assert "OMP_NUM_THREADS" not in p.local[0].env and not p.single_node
@@ -191,13 +191,15 @@ def test_dry_run_prints_the_plan_as_worker_0(tmp_path):
 def test_two_nodes_each_start_their_own_server_and_worker(tmp_path, two_nodes):
     addrs = [addr for _, _, addr in two_nodes]
     servers = ",".join(f"{a}:6000" for a in addrs)
+    secret = tmp_path / "secret"
+    secret.write_text(uuid.uuid4().hex)
     procs = []
     for node, (ns, _, _) in enumerate(two_nodes):
         cwd = tmp_path / f"node{node}"
         cwd.mkdir()
         cmd = ["ip", "netns", "exec", ns, *fleetrun_cmd(
-            "--servers", servers, "--workers", ",".join(addrs), SCRIPTS / "ps_fleet_train.py",
-            "--out", cwd, "--steps", "3")]
+            "--servers", servers, "--workers", ",".join(addrs), "--ps_secret_file", secret,
+            SCRIPTS / "ps_fleet_train.py", "--out", cwd, "--steps", "3")]
         procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = []
