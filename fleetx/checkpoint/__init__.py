@@ -1,0 +1,17 @@
+"""Checkpoints you can trust: atomic saves of a folder of files, verified on load.
+
+A save writes its files beside the committed checkpoint and commits them with a manifest of
+SHA-256 hashes and a save id (:class:`SaveWriter`); :class:`Checkpoint` opens the committed
+save and verifies every file it reads, raising :class:`CheckpointError` ("checksum
+mismatch", "missing file") naming the file. Saving again to the same folder replaces the
+checkpoint atomically: a crash in the middle of a save leaves the previous one loadable.
+
+The parameter server's ``save_persistables`` uses it (:mod:`fleetx.ps.checkpoint` decides
+what goes in the files); it knows nothing of what the files hold, so any checkpoint made of
+files in a folder can use it.
+"""
+from fleetx.checkpoint.api import CheckpointError, FileEntry, Manifest
+from fleetx.checkpoint.manifest import Checkpoint, SaveWriter, has_checkpoint, new_save_id
+
+__all__ = ["CheckpointError", "FileEntry", "Manifest", "Checkpoint", "SaveWriter",
+           "has_checkpoint", "new_save_id"]
