@@ -120,6 +120,16 @@ _VARS = [
        "none", secret=True),
     _v("FLEETX_PS_SECRET_FILE", "file holding the shared secret (surrounding whitespace is "
        "ignored), read when a connection is made; fleetrun --ps_secret_file sets it. Give "
+    _v("FLEETX_PS_SAVE_ROOT", "folder parameter servers save checkpoints under and load them "
+       "from; a SAVE or init_server(dirname) outside it is refused (default: the server's working "
+       "directory)", "user", "ps runtime", "none"),
+    _v("FLEETX_PS_MAX_LR", "largest learning rate a parameter server accepts from set_lr or an LR "
+       "scheduler (default 10)", "user", "ps runtime", "none"),
+    _v("FLEETX_PS_MAX_ROWS", "sparse rows one parameter server may hold per table; requests that "
+       "would create more are refused (default 0: no limit)", "user", "ps runtime", "none"),
+    _v("FLEETX_PS_NONFINITE", "what a parameter server does with a push holding NaN or inf: "
+       "refuse (default: an error naming the table) or skip (drop that worker's push for the "
+       "step and count it)", "user", "ps runtime", "none"),
        "every node the same file", "fleetrun --ps_secret_file, user", "ps runtime", "none"),
     _v("FLEETX_PS_MAX_FRAME_MB", "largest parameter-server message payload in MiB a process "
        "sends or accepts; a peer announcing more is disconnected before anything is allocated "

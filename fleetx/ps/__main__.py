@@ -1,6 +1,7 @@
 """Run one parameter server from the command line.
 
-    python -m fleetx.ps serve --cluster cluster.json --index 0 [--load DIR] [--log-level INFO]
+    python -m fleetx.ps serve --cluster cluster.json --index 0 [--load DIR] [--save-root DIR]
+                              [--log-level INFO]
 
 ``cluster.json`` holds ``{"config": PSConfig fields, "tables": Tables.to_json() object}``. The
 process prints ``listening <host:port>`` once it accepts connections, serves until every
@@ -14,6 +15,7 @@ import json
 import logging
 import sys
 
+from fleetx.checkpoint import CheckpointError
 from fleetx.ps.api import PSConfig, PSError, Tables
 from fleetx.ps.handshake import settings_from_env
 from fleetx.ps.server import PSServer
@@ -26,6 +28,9 @@ def main(argv=None) -> int:
     serve.add_argument("--cluster", required=True, help="JSON file: config and tables")
     serve.add_argument("--index", type=int, required=True, help="this server's index")
     serve.add_argument("--load", default=None, help="checkpoint folder to start from")
+    serve.add_argument("--save-root", default=None,
+                       help="folder SAVE requests and --load are confined to (default: the "
+                       "cluster file's save_root, else the working directory)")
     serve.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
@@ -33,13 +38,14 @@ def main(argv=None) -> int:
     with open(args.cluster) as f:
         spec = json.load(f)
     secret = {k: v for k, v in settings_from_env().items() if k.startswith("secret") and v}
-    config = PSConfig(**{**spec["config"], **secret})
+    config = PSConfig(**{**spec["config"], **({"save_root": args.save_root}
+                                              if args.save_root else {}), **secret})
     tables = Tables.from_json(json.dumps(spec["tables"]))
-    server = PSServer(config, args.index, tables, load_dir=args.load).start()
-    print(f"listening {server.endpoint}", flush=True)
     try:
+        server = PSServer(config, args.index, tables, load_dir=args.load).start()
+        print(f"listening {server.endpoint}", flush=True)
         server.run()
-    except PSError as e:
+    except (PSError, CheckpointError) as e:
         print(f"fleetx.ps server {args.index}: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -28,7 +28,7 @@ __all__ = [
     "WIRE_MAGIC", "WIRE_VERSION", "HEADER", "DESCRIPTOR", "FLAG_REPLY", "FLAG_ERROR",
     "MAX_META_BYTES", "MAX_BUFFERS", "Kind", "DTYPES", "DTYPE_CODES", "Mode",
     "PSError", "ConfigError", "ProtocolError", "PeerLostError", "RemoteError", "PSTimeoutError",
-    "StateError", "AuthError", "DEFAULT_MAX_FRAME_BYTES",
+    "StateError", "AuthError", "RequestError", "NONFINITE", "DEFAULT_MAX_FRAME_BYTES",
     "RuleConfig", "InitConfig", "SparseTableSpec", "DenseTableSpec", "Tables", "PSConfig",
     "CommunicatorConfig",
 ]
@@ -135,6 +135,13 @@ class AuthError(PSError):
 class StateError(PSError):
     """A call out of order or on the wrong role (training before ``init_worker``, serving on
     a worker); the message says what to call first."""
+
+
+class RequestError(PSError, ValueError):
+    """A server refused a request: a field is malformed or out of range (a shape that does not
+    match its table, an unknown table, a non-finite value, a learning rate out of range, a
+    path outside the save root, a table that would exceed its row limit). The message names
+    the request kind, the table or field, and what was expected; the tables are unchanged."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,6 +360,10 @@ class Tables:
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 
 
+#: PSConfig.nonfinite choices: refuse a push holding NaN/inf, or skip it and count it
+NONFINITE = ("refuse", "skip")
+
+
 @dataclass(frozen=True)
 class PSConfig:
     """The cluster and its liveness settings; the same on every server and worker.
@@ -376,6 +387,16 @@ class PSConfig:
         secret_file: a file holding the secret (``FLEETX_PS_SECRET_FILE``), read when a
             connection is made. Neither given: servers bound to loopback accept any local
             process (with a warning); others refuse to start.
+        max_lr: the largest learning rate ``SET_LR`` accepts (``FLEETX_PS_MAX_LR``); rates
+            must also be finite and > 0.
+        max_rows: sparse rows one server may hold per table (``FLEETX_PS_MAX_ROWS``); a request
+            that would create more is refused. 0: no limit.
+        nonfinite: what a server does with a push holding NaN or inf (``FLEETX_PS_NONFINITE``):
+            ``refuse`` answers with an error naming the table; ``skip`` drops that worker's
+            push for the step (a sync round counts it as zero), answers normally and counts
+            it in STATS (``skipped_pushes``).
+        save_root: the folder SAVE requests and checkpoint loads are confined to
+            (``FLEETX_PS_SAVE_ROOT``); None: the server's working directory.
     """
 
     servers: tuple
@@ -390,6 +411,10 @@ class PSConfig:
     max_connections: int = 0
     secret: Optional[str] = field(default=None, repr=False, compare=False)
     secret_file: Optional[str] = None
+    max_lr: float = 10.0
+    max_rows: int = 0
+    nonfinite: str = "refuse"
+    save_root: Optional[str] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -410,6 +435,13 @@ class PSConfig:
                  f"PSConfig.max_frame_bytes={self.max_frame_bytes!r}: expected an int >= 1 MiB")
         _require(isinstance(self.max_connections, int) and self.max_connections >= 0,
                  f"PSConfig.max_connections={self.max_connections!r}: expected an int >= 0")
+        _require(isinstance(self.max_lr, (int, float)) and math.isfinite(self.max_lr)
+                 and self.max_lr > 0, f"PSConfig.max_lr={self.max_lr!r}: expected a finite "
+                 "number > 0")
+        _require(isinstance(self.max_rows, int) and self.max_rows >= 0,
+                 f"PSConfig.max_rows={self.max_rows!r}: expected an int >= 0 (0: no limit)")
+        _require(self.nonfinite in NONFINITE, f"PSConfig.nonfinite={self.nonfinite!r}: "
+                 f"expected one of {NONFINITE}")
 
     @property
     def num_servers(self) -> int:

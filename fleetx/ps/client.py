@@ -23,6 +23,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from fleetx.checkpoint import FileEntry
 from fleetx.ps import kernels
 from fleetx.ps.api import (ConfigError, Kind, Mode, PeerLostError, PSConfig, PSError, Tables,
                            endpoint_of)
@@ -305,16 +306,20 @@ class KVClient:
         long (a peer loading data); a dead peer makes it fail, naming that peer."""
         return self._request(Kind.BARRIER, {0: ({"name": name}, [], None)}, None)
 
-    def save(self, dirname: str) -> Handle:
-        """Every server writes its shards under ``dirname``; result: rows saved per table."""
+    def save(self, dirname: str, save_id: str) -> Handle:
+        """Every server writes its shards into save ``save_id`` of checkpoint ``dirname``
+        (:class:`fleetx.checkpoint.SaveWriter`), which the caller then commits. Result:
+        ``(rows saved per table, [FileEntry of every file the servers wrote])``."""
         def finish(replies):
             rows: dict = {}
+            files = []
             for r in replies:
                 for n, k in r.meta.get("rows", {}).items():
                     rows[n] = rows.get(n, 0) + k
-            return rows
-        return self._request(Kind.SAVE, {s: ({"dirname": os.path.abspath(dirname)}, [], None)
-                                         for s in self._servers()}, finish)
+                files += [FileEntry.from_json(k, v) for k, v in r.meta.get("files", {}).items()]
+            return rows, files
+        meta = {"dirname": os.path.abspath(dirname), "save_id": save_id}
+        return self._request(Kind.SAVE, {s: (meta, [], None) for s in self._servers()}, finish)
 
     def stats(self) -> Handle:
         """Each server's :meth:`PSServer.stats`, in server order."""

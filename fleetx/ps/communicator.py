@@ -23,6 +23,7 @@ from typing import ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
 
+from fleetx.checkpoint import SaveWriter
 from fleetx.ps.api import CommunicatorConfig, Mode, PSConfig, Tables
 from fleetx.ps.checkpoint import save_dense
 from fleetx.ps.client import KVClient
@@ -97,12 +98,22 @@ class Communicator(abc.ABC):
         self.client.barrier(name).wait()
 
     def save(self, dirname: str) -> dict:
-        """Servers write their shards; this worker writes the dense weights (call it on the
-        first worker). Returns rows saved per sparse table."""
+        """Servers write their shards; this worker writes the dense weights and commits the
+        save (call it on the first worker). Saving again to ``dirname`` replaces the
+        checkpoint atomically: until the commit, the previous one stays whole. Returns rows
+        saved per sparse table.
+
+        Raises:
+            fleetx.checkpoint.CheckpointError: a file could not be written, or a table holds
+                NaN or inf (nothing is committed).
+        """
         self.flush()
-        rows = self.client.save(dirname).wait()
+        writer = SaveWriter(dirname)
+        rows, files = self.client.save(writer.dirname, writer.save_id).wait()
+        writer.add(files)
         if self.dense_names:
-            save_dense(dirname, self.client.pull(dense=self.dense_names).wait().dense)
+            save_dense(writer, self.client.pull(dense=self.dense_names).wait().dense)
+        writer.commit()
         return rows
 
     def stop(self) -> None:

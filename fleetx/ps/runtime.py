@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from fleetx.checkpoint import SaveWriter
 from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint
 from fleetx.ps.api import CommunicatorConfig, Mode, PSConfig, StateError
@@ -53,8 +53,9 @@ class _LocalSession:
         self.backend.assign(layout.initial_sparse())
         if load_dir:
             checkpoint.load_server(load_dir, 0, 1, 1, self.backend.tables, {})
-            if os.path.exists(os.path.join(load_dir, "dense.json")):
-                layout.load_dense(checkpoint.load_dense(load_dir))
+            dense = checkpoint.load_dense(load_dir)
+            if dense:
+                layout.load_dense(dense)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -74,8 +75,10 @@ class _LocalSession:
             t = DenseTable(spec, make_rule(spec.rule), 0, spec.numel)
             t.assign(dense[spec.name])
             tables[spec.name] = t
-        checkpoint.save_server(dirname, 0, 1, 1, self.backend.tables, tables)
-        checkpoint.save_dense(dirname, dense)
+        writer = SaveWriter(dirname)
+        checkpoint.save_server(writer, 0, 1, 1, self.backend.tables, tables)
+        checkpoint.save_dense(writer, dense)
+        writer.commit()
 
     def stop(self) -> None:
         """Nothing to disconnect."""

@@ -20,22 +20,35 @@ Modes (``PSConfig.mode``):
 Liveness: a worker that dies, closes its connection or stops sending heartbeats is declared
 lost; every request waiting on it (a sync round, a barrier) fails with a PeerLostError naming
 it, and :meth:`PSServer.run` raises it once no worker is left. Workers that do not connect
-within ``PSConfig.timeout`` are lost the same way. Every ``log_interval`` the server logs its
+within ``PSConfig.timeout`` are lost the same way, and so is a worker whose heartbeats still
+come but which sent no request for ``timeout`` seconds while others waited for it in a sync
+round or barrier (its process is alive but stuck). Every ``log_interval`` the server logs its
 rows, memory and requests/s.
+
+Validation: every request is checked against the tables before it changes anything
+(:mod:`fleetx.ps.requests`); a refused request is answered with the error, counted in STATS
+(``rejected``) and logged as a rate-limited warning. A sync push joins its round
+only once it is known to apply, and a round that still fails answers every member with the
+error. SAVE writes only under ``PSConfig.save_root`` (default: the working directory).
 """
 from __future__ import annotations
 
-import collections
 import logging
+import os
 import queue
 import threading
 import time
 from typing import Optional
 
+from fleetx.checkpoint import CheckpointError, SaveWriter
+from fleetx.ps import requests
 from fleetx.ps.api import (ConfigError, Kind, Mode, PeerLostError, ProtocolError, PSConfig,
                            PSError, Tables, endpoint_of)
+from fleetx.ps.checkpoint import confine
+from fleetx.ps.requests import Push
+from fleetx.ps.rounds import Waiting, Waits, stalled
 from fleetx.ps.shard import Shard
-from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor
+from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor, RateLimitedLog
 from fleetx.ps.handshake import require_secret
 from fleetx.ps.transport import Heartbeats, Link, Message
 
@@ -56,10 +69,11 @@ class _Lost:
 
 
 class _Worker:
-    __slots__ = ("rank", "name", "link", "state")
+    __slots__ = ("rank", "name", "link", "state", "last_request")
 
     def __init__(self, rank: int, name: str, link: Optional[Link]) -> None:
         self.rank, self.name, self.link, self.state = rank, name, link, "active"
+        self.last_request = time.monotonic()  # heartbeats do not count: they prove life only
 
 
 class PSServer:
@@ -70,8 +84,13 @@ class PSServer:
         index: this server's position in ``config.servers``; it listens on that endpoint
             (port 0 picks a free port, see :attr:`endpoint`).
         tables: every table of the job.
-        load_dir: start from a checkpoint written by :meth:`KVClient.save`.
+        load_dir: start from a checkpoint written by ``save_persistables`` (it must lie under
+            ``config.save_root``).
         capacity: sparse rows to preallocate per table.
+
+    Raises:
+        ConfigError: ``load_dir`` is outside the save root, or a table's shape changed.
+        fleetx.checkpoint.CheckpointError: the checkpoint is missing, damaged or inconsistent.
 
     Example:
         >>> server = PSServer(config, 0, tables)   # doctest: +SKIP
@@ -84,13 +103,17 @@ class PSServer:
             raise ConfigError(f"server index {index} outside [0, {config.num_servers})")
         self.config, self.index, self.tables = config, index, tables
         self.name = f"server {index} ({config.servers[index]})"
+        self.save_root = os.path.realpath(config.save_root or os.getcwd())
+        if load_dir:
+            load_dir = confine(load_dir, self.save_root)
         self.shard = Shard(config, index, tables, load_dir, capacity)
         self._queue: queue.Queue = queue.Queue()
         self._workers: dict[int, _Worker] = {}
         self._lost: list[PeerLostError] = []
-        self._rounds: dict[int, collections.deque] = collections.defaultdict(collections.deque)
-        self._barriers: dict[str, dict[int, tuple]] = {}
+        self._waits = Waits()  # sync rounds and barriers
         self._requests = 0
+        self._refused = RateLimitedLog()  # requests refused, by kind
+        self._skipped = RateLimitedLog()  # pushes skipped for NaN/inf (nonfinite="skip")
         self._done = threading.Event()
         self._acceptor: Optional[Acceptor] = None
         self._links: set[Link] = set()  # authenticated connections (bounded: connection_limit)
@@ -208,6 +231,7 @@ class PSServer:
                 link.handled()  # the link may hand over its next request
             now = time.monotonic()
             self._check_registration(now)
+            self._check_stalls(now)
             if now >= next_log:
                 rate = (self._requests - last_requests) / (now - last_t)
                 log.info("%s: %s", self.name, self._stats_line(rate))
@@ -223,14 +247,29 @@ class PSServer:
             handler = self._handlers.get(msg.kind)
             if handler is None or msg.is_reply:
                 raise ProtocolError(f"unexpected {msg.kind.name} frame")
+            requests.check_meta(msg.kind.name, msg.meta)
+            worker = self._workers.get(link.peer_info.get("rank"))
+            if worker is not None and worker.link is link:
+                worker.last_request = time.monotonic()
             reply = handler(link, msg)
-        except PSError as e:
+        except (PSError, CheckpointError) as e:
+            self._reject(link, msg, e)
             reply = msg.error_reply(e)
         except Exception as e:  # answer, never leave the worker waiting
-            log.exception("%s: %s from %s failed", self.name, msg.kind.name, link.name)
+            log.debug("%s: %s from %s failed", self.name, msg.kind.name, link.name,
+                      exc_info=True)
+            self._refused.warning(msg.kind.name, "%s: %s from %s failed: %s: %s", self.name,
+                                  msg.kind.name, link.name, type(e).__name__, e)
             reply = msg.error_reply(e)
         if reply is not None:
             self._send(link, reply)
+
+    def _reject(self, link: Link, msg: Message, error: Exception) -> None:
+        """Count a refused request and warn (rate-limited) naming its sender and the reason."""
+        if isinstance(error, PeerLostError):
+            return  # not the sender's fault: a round it joined lost another worker
+        self._refused.warning(msg.kind.name, "%s: refused %s from %s: %s: %s", self.name,
+                              msg.kind.name, link.name, type(error).__name__, error)
 
     def _send(self, link: Link, msg: Message) -> None:
         try:
@@ -314,63 +353,108 @@ class PSServer:
         return msg.reply({}, self.shard.pull(msg.meta, msg.bufs))
 
     def _on_push(self, link: Link, msg: Message) -> Optional[Message]:
-        sparse, dense = self.shard.parse_push(msg.meta, msg.bufs)
+        push = self._checked_push(link, msg)
         if self.config.mode == Mode.SYNC:
-            self._rounds[link.peer_info["rank"]].append((link, msg, sparse, dense))
+            self._waits.push(link.peer_info["rank"], Waiting(link, msg, push, time.monotonic()))
             self._try_rounds()
             return None
-        self.shard.apply(sparse, dense)
-        return msg.reply({}, self.shard.push_reply(msg.meta, link.peer_info["rank"]))
+        self.shard.apply(push)
+        return self._push_reply(link, msg, push)
+
+    def _checked_push(self, link: Link, msg: Message) -> Push:
+        """The push, checked; with ``nonfinite="skip"`` one holding NaN/inf becomes empty.
+
+        Raises:
+            RequestError: malformed, or non-finite values with ``nonfinite="refuse"``.
+        """
+        push = self.shard.parse_push("PUSH", msg.meta, msg.bufs)
+        if not push.nonfinite:
+            return push
+        error = requests.nonfinite_error("PUSH", push, "gradients")
+        if self.config.nonfinite == "refuse":
+            raise error
+        self._skipped.warning("PUSH", "%s: skipped a push from %s (FLEETX_PS_NONFINITE=skip): "
+                              "%s", self.name, link.name, error)
+        return Push([], [], push.nonfinite)
+
+    def _push_reply(self, link: Link, msg: Message, push: Push) -> Message:
+        meta = {"skipped_nonfinite": push.nonfinite} if push.nonfinite else {}
+        return msg.reply(meta, self.shard.push_reply(msg.meta, link.peer_info["rank"]))
 
     def _try_rounds(self) -> None:
         """Sync: apply and answer every round that every expected worker has pushed to."""
+        if self._lost:
+            return self._fail_waits()
         while True:
-            pending = [r for r, q in self._rounds.items() if q]
-            if not pending:
+            entries = self._waits.next_round(self._expected())
+            if entries is None:
                 return
-            if self._lost:
-                for r in pending:
-                    while self._rounds[r]:
-                        link, msg = self._rounds[r].popleft()[:2]
-                        self._send(link, msg.error_reply(self._lost[0]))
-                return
-            expected = self._expected()
-            if not expected or any(not self._rounds[r] for r in expected):
-                return
-            entries = [self._rounds[r].popleft() for r in expected]
-            self.shard.apply_mean([(sparse, dense) for _, _, sparse, dense in entries])
-            for link, msg, _, _ in entries:
-                self._send(link, msg.reply({}, self.shard.push_reply(
-                    msg.meta, link.peer_info["rank"])))
+            try:
+                self.shard.apply_mean([e.payload for e in entries])
+                replies = [self._push_reply(e.link, e.msg, e.payload) for e in entries]
+            except Exception as e:  # every member hears of it; none is left waiting
+                if not isinstance(e, PSError):
+                    log.debug("%s: a sync round failed", self.name, exc_info=True)
+                self._refused.warning("PUSH", "%s: a sync round of %d pushes failed: %s: %s",
+                                      self.name, len(entries), type(e).__name__, e)
+                replies = [entry.msg.error_reply(e) for entry in entries]
+            for entry, reply in zip(entries, replies):
+                self._send(entry.link, reply)
+
+    def _fail_waits(self) -> None:
+        """A worker was lost: every waiting round and barrier fails, naming it."""
+        for entry in self._waits.drain():
+            self._send(entry.link, entry.msg.error_reply(self._lost[0]))
 
     def _on_init(self, link: Link, msg: Message) -> Message:
-        sparse, dense = self.shard.parse_push(msg.meta, msg.bufs)
-        return msg.reply({"applied": self.shard.init(sparse, dense,
-                                                     bool(msg.meta.get("force", False)))})
+        push = self.shard.parse_push("INIT", msg.meta, msg.bufs)
+        if push.nonfinite:
+            raise requests.nonfinite_error("INIT", push, "values")
+        force = requests.optional_bool("INIT", msg.meta, "force")
+        return msg.reply({"applied": self.shard.init(push, force)})
 
     def _on_set_lr(self, link: Link, msg: Message) -> Message:
-        self.shard.set_lr(float(msg.meta["lr"]), msg.meta.get("tables"))
+        lr, names = requests.parse_set_lr(msg.meta, {**self.shard.sparse, **self.shard.dense},
+                                          self.config.max_lr)
+        self.shard.set_lr(lr, names)
         return msg.reply()
 
     def _on_barrier(self, link: Link, msg: Message) -> None:
-        self._barriers.setdefault(str(msg.meta.get("name", "")), {})[
-            link.peer_info["rank"]] = (link, msg)
+        name = requests.parse_barrier(msg.meta)
+        self._waits.enter(name, link.peer_info["rank"], Waiting(link, msg, None,
+                                                                time.monotonic()))
         self._try_barriers()
 
     def _try_barriers(self) -> None:
-        for name, waiting in list(self._barriers.items()):
-            if self._lost:
-                replies = [m.error_reply(self._lost[0]) for _, m in waiting.values()]
-            elif all(r in waiting for r in self._expected()):
-                replies = [m.reply() for _, m in waiting.values()]
-            else:
-                continue
-            del self._barriers[name]
-            for (link, _), reply in zip(waiting.values(), replies):
-                self._send(link, reply)
+        if self._lost:
+            return self._fail_waits()
+        for members in self._waits.complete_barriers(self._expected()):
+            for entry in members:
+                self._send(entry.link, entry.msg.reply())
+
+    def _check_stalls(self, now: float) -> None:
+        """A sync round or barrier waiting longer than ``timeout`` for workers that sent no
+        request for that long: those workers are declared lost (their heartbeats prove the
+        process lives, not that it works), which fails the wait for every member."""
+        if self._lost:
+            return
+        active = {r: w.last_request for r, w in self._workers.items() if w.state == "active"}
+        timeout = self.config.timeout
+        for stall in stalled(self._waits, active, self._expected(), now, timeout):
+            w = self._workers[stall.rank]
+            if w.link is not None:
+                w.link.close()  # it may wake up later: it must not rejoin a failed job
+            waiters = ", ".join(f"worker {r}" for r in stall.arrived)
+            self._mark_lost(w, f"sent no request for {stall.silent_for:.0f} s while {waiters} "
+                            f"waited in {stall.what} (timeout {timeout:g} s, FLEETX_TIMEOUT); "
+                            "its heartbeats still came, so the process is alive but stuck")
 
     def _on_save(self, link: Link, msg: Message) -> Message:
-        return msg.reply({"rows": self.shard.save(str(msg.meta["dirname"]))})
+        dirname, save_id = requests.parse_save(msg.meta)
+        writer = SaveWriter(confine(dirname, self.save_root), save_id)
+        rows = self.shard.save(writer)
+        return msg.reply({"rows": rows, "files": {k: e.to_json()
+                                                  for k, e in writer.entries.items()}})
 
     def _on_stats(self, link: Link, msg: Message) -> Message:
         return msg.reply(self.stats())
@@ -378,9 +462,13 @@ class PSServer:
     # ------------------------------------------------------------------ observability
 
     def stats(self) -> dict:
-        """Rows and bytes per table, requests served, peak resident memory."""
+        """Rows and bytes per table, requests served, peak resident memory, requests refused
+        (in all and by kind) and pushes skipped for non-finite values."""
         return {"server": self.index, "requests": self._requests, **self.shard.stats(),
                 "workers": {w.rank: w.state for w in self._workers.values()},
+                "rejected": sum(self._refused.counts.values()),
+                "rejected_by_kind": dict(self._refused.counts),
+                "skipped_pushes": self._skipped.counts["PUSH"],
                 "connections": self._acceptor.counters() if self._acceptor else {}}
 
     def _stats_line(self, rate: float) -> str:

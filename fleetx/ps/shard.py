@@ -2,7 +2,9 @@
 
 No networking and no threads: the server's handler thread calls these methods one at a time,
 so the tables need no locks. Messages are decoded to ``(meta, buffers)`` by the server; the
-buffer order per request kind is the wire format of ``docs/parameter_server.md`` §3.
+buffer order per request kind is the wire format of ``docs/parameter_server.md`` §3. Every
+request is checked by :mod:`fleetx.ps.requests` before it touches a table, and an update that
+would take a table past ``PSConfig.max_rows`` is refused before any table changes.
 """
 from __future__ import annotations
 
@@ -14,9 +16,12 @@ from typing import Optional
 import numpy as np
 
 from fleetx.ps import kernels
-from fleetx.ps.api import ConfigError, Mode, ProtocolError, PSConfig, RuleConfig, Tables
+from fleetx.checkpoint import SaveWriter
+from fleetx.ps import requests
+from fleetx.ps.api import ConfigError, Mode, PSConfig, RuleConfig, Tables
 from fleetx.ps.checkpoint import load_server, save_server
 from fleetx.ps.partition import dense_ranges
+from fleetx.ps.requests import Push
 from fleetx.ps.rules import make_rule
 from fleetx.ps.table import DenseTable, SparseTable
 
@@ -41,7 +46,8 @@ class Shard:
         def rule(r: RuleConfig):
             return make_rule(RuleConfig("sum") if geo else r)
 
-        self.sparse = {t.name: SparseTable(t, rule(t.rule), capacity) for t in tables.sparse}
+        self.sparse = {t.name: SparseTable(t, rule(t.rule), capacity, config.max_rows)
+                       for t in tables.sparse}
         self.dense = {t.name: DenseTable(t, rule(t.rule),
                                          *dense_ranges(t.numel, config.num_servers)[index])
                       for t in tables.dense}
@@ -61,50 +67,66 @@ class Shard:
         return t
 
     def pull(self, meta: dict, bufs: list) -> list:
-        """PULL: rows of each sparse table's ids, then each dense slice."""
-        names, create = meta.get("sparse", []), bool(meta.get("create", True))
-        if len(bufs) != len(names):
-            raise ProtocolError(f"PULL: {len(names)} tables but {len(bufs)} id buffers")
-        out = [self.table(n).pull(ids, create) for n, ids in zip(names, bufs)]
-        return out + [self.table(n).pull() for n in meta.get("dense", [])]
+        """PULL: rows of each sparse table's ids, then each dense slice.
 
-    def parse_push(self, meta: dict, bufs: list) -> tuple[list, list]:
-        """PUSH/INIT buffers -> ``[(table, ids, values)]``, ``[(table, flat values)]``."""
-        sparse, dense = meta.get("sparse", []), meta.get("dense", [])
-        if len(bufs) != 2 * len(sparse) + len(dense):
-            raise ProtocolError(f"{len(sparse)} sparse and {len(dense)} dense tables but "
-                                f"{len(bufs)} buffers")
-        s = [(n, bufs[2 * i], bufs[2 * i + 1]) for i, n in enumerate(sparse)]
-        d = [(n, bufs[2 * len(sparse) + i]) for i, n in enumerate(dense)]
-        for n in sparse + dense:
-            self.table(n)
-        return s, d
+        Raises:
+            RequestError: a malformed request, or new rows beyond ``max_rows``.
+        """
+        sparse, dense, create = requests.parse_pull(meta, bufs, self.sparse, self.dense)
+        out = [self.sparse[n].pull(ids, create) for n, ids in sparse]
+        return out + [self.dense[n].pull() for n in dense]
 
-    def apply(self, sparse: list, dense: list) -> None:
-        """Async/GEO: apply one worker's push as it comes."""
-        for name, ids, grads in sparse:
-            self.sparse[name].push(ids, grads.reshape(len(ids), -1))
+    def parse_push(self, kind: str, meta: dict, bufs: list) -> Push:
+        """A PUSH's or INIT's tables and arrays, checked against the tables (a PUSH's
+        ``geo_pull`` and ``pull_dense`` lists too).
+
+        Raises:
+            RequestError: the first mismatch, naming the table.
+        """
+        push = requests.parse_push(kind, meta, bufs, self.sparse, self.dense)
+        if kind == "PUSH":
+            requests.geo_names(meta, self.sparse, self.dense)
+        return push
+
+    def apply(self, push: Push) -> None:
+        """Async/GEO: apply one worker's push as it comes.
+
+        Raises:
+            RequestError: it would take a table past ``max_rows`` (nothing is applied).
+        """
+        for name, ids, _ in push.sparse:
+            self.sparse[name].check_capacity(ids)
+        for name, ids, grads in push.sparse:
+            self.sparse[name].push(ids, grads)
             if self.config.mode == Mode.GEO:
                 for r in range(self.config.num_workers):
                     self._geo_dirty[name][r].append(ids)
-        for name, grads in dense:
+        for name, grads in push.dense:
             self.dense[name].push(grads)
 
     def apply_mean(self, pushes: list) -> None:
-        """Sync: apply the mean of several workers' ``(sparse, dense)`` pushes."""
+        """Sync: apply the mean of several workers' pushes (a skipped push counts as zero).
+
+        Raises:
+            RequestError: the round would take a table past ``max_rows`` (nothing is applied).
+        """
         scale = np.float32(1.0 / len(pushes))
+        merged = {}
         for name, table in self.sparse.items():
-            parts = [(ids, g) for sparse, _ in pushes for n, ids, g in sparse if n == name]
+            parts = [(ids, g) for p in pushes for n, ids, g in p.sparse if n == name]
             if not sum(len(ids) for ids, _ in parts):
                 continue
             ids = np.concatenate([p[0] for p in parts])
-            grads = np.concatenate([p[1].reshape(len(p[0]), table.dim) for p in parts])
+            grads = np.concatenate([p[1] for p in parts])
             uniq, inv = kernels.unique_inverse(ids)
+            table.check_capacity(uniq)
+            merged[name] = (uniq, inv, grads)
+        for name, (uniq, inv, grads) in merged.items():
             summed = kernels.segment_sum(inv, grads, len(uniq))
             summed *= scale
-            table.push(uniq, summed)
+            self.sparse[name].push(uniq, summed)
         for name, table in self.dense.items():
-            parts = [g for _, dense in pushes for n, g in dense if n == name]
+            parts = [g for p in pushes for n, g in p.dense if n == name]
             if parts:
                 total = np.sum(parts, axis=0, dtype=np.float32) if len(parts) > 1 else parts[0]
                 table.push(total * scale)
@@ -119,26 +141,30 @@ class Shard:
             out += [ids, self.sparse[name].pull(ids)]
         return out + [self.table(n).pull() for n in meta.get("pull_dense", [])]
 
-    def init(self, sparse: list, dense: list, force: bool) -> list[str]:
+    def init(self, push: Push, force: bool) -> list[str]:
         """INIT: assign values to tables not yet initialised (all with ``force``)."""
         applied = []
-        for name, ids, rows in sparse:
+        for name, ids, _ in push.sparse:
             if force or name not in self.initialized:
-                self.sparse[name].assign(ids, rows.reshape(len(ids), -1))
+                self.sparse[name].check_capacity(ids)
+        for name, ids, rows in push.sparse:
+            if force or name not in self.initialized:
+                self.sparse[name].assign(ids, rows)
                 applied.append(name)
-        for name, values in dense:
+        for name, values in push.dense:
             if force or name not in self.initialized:
                 self.dense[name].assign(values)
                 applied.append(name)
         self.initialized |= set(applied)
         return applied
 
-    def set_lr(self, lr: float, names: Optional[list]) -> None:
-        for n in names or list(self.sparse) + list(self.dense):
+    def set_lr(self, lr: float, names: list) -> None:
+        for n in names:
             self.table(n).rule.set_lr(lr)
 
-    def save(self, dirname: str) -> dict:
-        return save_server(dirname, self.index, self.config.num_servers, self.config.shard_num,
+    def save(self, writer: SaveWriter) -> dict:
+        """Write this server's shards into ``writer``'s save; returns rows per table."""
+        return save_server(writer, self.index, self.config.num_servers, self.config.shard_num,
                            self.sparse, self.dense)
 
     def stats(self) -> dict:

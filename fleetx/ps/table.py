@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from fleetx.ps import kernels
-from fleetx.ps.api import ConfigError, DenseTableSpec, SparseTableSpec
+from fleetx.ps.api import ConfigError, DenseTableSpec, RequestError, SparseTableSpec
 from fleetx.ps.initializers import initial_rows
 from fleetx.ps.rules import Rule
 
@@ -97,10 +97,13 @@ class SparseTable:
         spec: the table's shape, rule configuration and initialiser.
         rule: the update rule (decides the state columns).
         capacity: rows to allocate up front (the slab grows by doubling).
+        max_rows: refuse to create rows beyond this many (0: no limit), so that no request
+            can make a server allocate without bound.
     """
 
-    def __init__(self, spec: SparseTableSpec, rule: Rule, capacity: int = 1024) -> None:
-        self.spec, self.rule, self.dim = spec, rule, spec.dim
+    def __init__(self, spec: SparseTableSpec, rule: Rule, capacity: int = 1024,
+                 max_rows: int = 0) -> None:
+        self.spec, self.rule, self.dim, self.max_rows = spec, rule, spec.dim, max_rows
         self.width = rule.width(spec.dim)
         self.index = IdIndex(capacity)
         self._slab = np.zeros((max(16, capacity), self.width), np.float32)
@@ -155,6 +158,20 @@ class SparseTable:
         else:  # another rule saved them: keep the weights, start the state afresh
             self.assign(ids, rows[:, :self.dim])
 
+    def check_capacity(self, ids: np.ndarray) -> None:
+        """Raise unless the rows of ``ids`` fit in ``max_rows`` (existing ids cost nothing).
+
+        Raises:
+            RequestError: the missing ids would take the table past ``max_rows``.
+        """
+        if not self.max_rows or len(self) + len(ids) <= self.max_rows:
+            return  # the common case costs one comparison
+        new = int((self.index.find(ids) < 0).sum())  # repeated new ids only overcount
+        if len(self) + new > self.max_rows:
+            raise RequestError(f"table {self.spec.name!r} holds {len(self)} rows here; {new} "
+                               f"new ids would pass its limit of {self.max_rows} rows per "
+                               "server (FLEETX_PS_MAX_ROWS)")
+
     def _check(self, ids: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
         n = self.spec.num_embeddings
@@ -164,6 +181,7 @@ class SparseTable:
         return ids
 
     def _rows(self, ids: np.ndarray) -> np.ndarray:
+        self.check_capacity(ids)
         rows, first = self.index.insert(ids)
         if len(self) > first:
             self._grow(len(self))

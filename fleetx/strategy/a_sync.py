@@ -82,10 +82,12 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
     """The cluster of a parameter-server world, or None when it has no servers.
 
     Liveness and logging come from the environment: ``FLEETX_TIMEOUT`` (servers coming up,
-    workers registering), ``FLEETX_PS_HEARTBEAT_INTERVAL``, ``FLEETX_PS_DEAD_AFTER`` and
-    ``FLEETX_LOG_INTERVAL``; the shared secret and the frame limit from ``FLEETX_PS_SECRET`` /
-    ``FLEETX_PS_SECRET_FILE`` and ``FLEETX_PS_MAX_FRAME_MB`` (the secret is checked only when a
-    connection is made).
+    workers registering, the longest wait for a silent peer in a sync round or barrier),
+    ``FLEETX_PS_HEARTBEAT_INTERVAL``, ``FLEETX_PS_DEAD_AFTER`` and ``FLEETX_LOG_INTERVAL``;
+    request limits and the save root from ``FLEETX_PS_MAX_LR``, ``FLEETX_PS_MAX_ROWS``,
+    ``FLEETX_PS_NONFINITE`` and ``FLEETX_PS_SAVE_ROOT``; the shared secret and the frame limit
+    from ``FLEETX_PS_SECRET`` / ``FLEETX_PS_SECRET_FILE`` and ``FLEETX_PS_MAX_FRAME_MB`` (the
+    secret is checked only when a connection is made).
 
     Raises:
         fleetx.env.EnvError: a variable is malformed.
@@ -99,7 +101,16 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
                     dead_after=env.get_float("FLEETX_PS_DEAD_AFTER", 15.0),
                     timeout=default_timeout(),
                     log_interval=interval if interval > 0 else float("inf"),
-                    **settings_from_env())
+                    **_ps_limits(), **settings_from_env())
+
+
+def _ps_limits() -> dict:
+    """What servers accept (``FLEETX_PS_MAX_LR``, ``FLEETX_PS_MAX_ROWS``,
+    ``FLEETX_PS_NONFINITE``) and where they save (``FLEETX_PS_SAVE_ROOT``)."""
+    return {"max_lr": env.get_float("FLEETX_PS_MAX_LR", 10.0),
+            "max_rows": env.get_int("FLEETX_PS_MAX_ROWS", 0),
+            "nonfinite": env.get("FLEETX_PS_NONFINITE", "refuse"),
+            "save_root": env.get("FLEETX_PS_SAVE_ROOT")}
 
 
 @register

@@ -2,7 +2,10 @@
 
 Usage: python ps_worker.py --cluster C --rank R --out OUT.npz [--steps N] [--k-steps K]
        [--max-merge M] [--constant-grads] [--die-after S] [--hang-after S] [--sleep-before T]
-       [--stop-after S] [--pull-after-stop]
+       [--stop-after S] [--pull-after-stop] [--stuck-after S]
+
+``--hang-after`` freezes the whole process (SIGSTOP: no heartbeats either); ``--stuck-after``
+makes only the main thread sleep forever while the heartbeat thread goes on.
 
 Writes OUT.npz with the final dense weights, the rows of ps_cluster.VOCAB, and the losses.
 On a parameter-server error it prints ``ERROR <class>: <message>`` to stderr and exits 3.
@@ -30,6 +33,7 @@ def main():
                                 ("--k-steps", int, 1), ("--max-merge", int, 1),
                                 ("--die-after", int, -1), ("--hang-after", int, -1),
                                 ("--stop-after", int, -1), ("--sleep-before", float, 0.0),
+                                ("--stuck-after", int, -1),
                                 ("--geo-lr", float, 0.1)):
         ap.add_argument(flag, type=kind, default=default)
     ap.add_argument("--constant-grads", action="store_true")
@@ -58,6 +62,9 @@ def run(comm, config, args):
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.hang_after:
             os.kill(os.getpid(), signal.SIGSTOP)
+        if step == args.stuck_after:
+            print("stuck", file=sys.stderr, flush=True)
+            time.sleep(10 ** 6)
         if step == args.stop_after:
             break
         ids, x, y = batch(step)

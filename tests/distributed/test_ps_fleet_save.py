@@ -17,10 +17,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 
 def test_save_then_init_server_from_it_continues_training(tmp_path):
     saved = tmp_path / "model"
-    run_job(tmp_path / "first", 2, 2, "--steps", "3", "--save", str(saved))
-    assert sorted(p.name for p in saved.iterdir()) == [
+    root = {"FLEETX_PS_SAVE_ROOT": str(tmp_path)}  # the jobs run in the repository folder
+    run_job(tmp_path / "first", 2, 2, "--steps", "3", "--save", str(saved), extra_env=root)
+    folder, = saved.glob("save-*")
+    assert sorted(p.name for p in folder.iterdir()) == [
         "dense-dense.0.npy", "dense.json", "server-0-of-2", "server-1-of-2"]
-    run_job(tmp_path / "second", 2, 2, "--start", "3", "--steps", "3", "--load", str(saved))
+    run_job(tmp_path / "second", 2, 2, "--start", "3", "--steps", "3", "--load", str(saved),
+            extra_env=root)
     expected = reference(6)
     for rank in range(2):
         got = np.load(tmp_path / "second" / f"worker{rank}.npz")

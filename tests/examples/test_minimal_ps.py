@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fleetx.checkpoint import Checkpoint
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -18,5 +20,5 @@ def test_minimal_ps_trains_and_saves_on_one_server_and_two_workers(tmp_path):
     found = re.search(r"held-out AUC (\d\.\d+) \(async mode, 2 worker\(s\), 1 server\(s\)\)",
                       res.stdout)
     assert found and float(found.group(1)) > 0.85, res.stdout[-2000:]
-    assert (tmp_path / "model" / "server-0-of-1" / "meta.json").exists()
-    assert (tmp_path / "model" / "dense.json").exists()
+    saved = Checkpoint(tmp_path / "model")  # committed, every file present
+    assert "server-0-of-1/meta.json" in saved and "dense.json" in saved

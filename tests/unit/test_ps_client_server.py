@@ -10,6 +10,7 @@ import torch
 from fleetx.ps import (CommunicatorConfig, ConfigError, DenseTableSpec, InitConfig, KVClient,
                        PSConfig, PSServer, RuleConfig, SparseTableSpec, Tables,
                        make_communicator)
+from fleetx.checkpoint import SaveWriter
 from fleetx.ps.initializers import initial_rows
 
 INIT = InitConfig("uniform", low=-1, high=1, seed=5)
@@ -33,9 +34,10 @@ def make_tables(sparse_rule=RuleConfig("sgd", lr=0.5), dense_rule=RuleConfig("sg
 
 
 class Cluster:
-    def __init__(self, tables, servers=2, workers=1, mode="async", load=None):
+    def __init__(self, tables, servers=2, workers=1, mode="async", load=None, save_root=None):
         self.config = PSConfig([f"127.0.0.1:{p}" for p in free_ports(servers)], workers,
-                               mode=mode, heartbeat_interval=0.2, dead_after=3.0, timeout=20)
+                               mode=mode, heartbeat_interval=0.2, dead_after=3.0, timeout=20,
+                               save_root=save_root)
         self.tables = tables
         self.servers = [PSServer(self.config, i, tables, load_dir=load).start()
                         for i in range(servers)]
@@ -50,12 +52,21 @@ class Cluster:
             s.stop()
 
 
+def save(client, dirname):
+    """What a communicator's save does without the dense copy: the servers write, we commit."""
+    writer = SaveWriter(dirname)
+    rows, files = client.save(writer.dirname, writer.save_id).wait()
+    writer.add(files)
+    writer.commit()
+    return rows
+
+
 @pytest.fixture
-def cluster():
+def cluster(tmp_path):
     made = []
 
     def make(*a, **k):
-        made.append(Cluster(*a, **k))
+        made.append(Cluster(*a, **{"save_root": str(tmp_path), **k}))
         return made[-1]
     yield make
     for c in made:
@@ -88,7 +99,7 @@ def test_init_is_kept_by_servers_that_loaded_a_checkpoint_and_set_lr_reaches_the
     c.set_lr(0.25).wait()
     flat, _ = c.push(dense={"dense": np.ones(10, np.float32)}, pull_dense=["dense"]).wait()
     np.testing.assert_allclose(flat["dense"], 0.75)
-    c.save(tmp_path / "ckpt").wait()
+    save(c, tmp_path / "ckpt")
     c.stop()
 
     c2 = cluster(tables, load=str(tmp_path / "ckpt")).client()
@@ -111,7 +122,7 @@ def test_save_then_load_restores_rows_and_optimizer_state(cluster, tmp_path, loa
     c.init(dense={"dense": np.arange(10, dtype=np.float32)}).wait()
     for g in grads[:2]:
         c.push({"emb": (ids, g)}, {"dense": g[0, :1].repeat(10)}).wait()
-    assert c.save(tmp_path / "ckpt").wait() == {"emb": 200, "small": 0}
+    assert save(c, tmp_path / "ckpt") == {"emb": 200, "small": 0}
     c.push({"emb": (ids, grads[2])}, {"dense": grads[2][0, :1].repeat(10)}).wait()
     expected = c.pull({"emb": ids}, dense=["dense"]).wait()
     c.stop()
@@ -247,6 +258,9 @@ def test_first_worker_saves_dense_values_beside_the_server_shards(cluster, tmp_p
     assert comm.save(tmp_path / "ckpt") == {"emb": 2, "small": 0}
     np.testing.assert_allclose(load_dense(tmp_path / "ckpt")["dense"], 0.5)
     np.testing.assert_allclose(params["dense"], 0.5)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+    ckpt = tmp_path / "ckpt"
+    save_folder, = ckpt.glob("save-*")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", save_folder.name]
+    assert sorted(p.name for p in save_folder.iterdir()) == [
         "dense-dense.npy", "dense.json", "server-0-of-2", "server-1-of-2"]
     comm.stop()
