@@ -113,13 +113,6 @@ _VARS = [
     _v("FLEETX_PS_DEAD_AFTER", "seconds of silence after which a parameter server or worker is "
        "declared lost, naming it (default 15; must exceed the heartbeat interval)", "user",
        "ps runtime", "none"),
-    _v("FLEETX_PS_SECRET", "shared secret every parameter-server connection must prove it "
-       "holds (mutual HMAC challenge-response; it never travels and is never printed); fleetrun "
-       "generates one per job when neither this nor FLEETX_PS_SECRET_FILE is set. Without "
-       "either, servers listen only on loopback addresses", "fleetrun (PS), user", "ps runtime",
-       "none", secret=True),
-    _v("FLEETX_PS_SECRET_FILE", "file holding the shared secret (surrounding whitespace is "
-       "ignored), read when a connection is made; fleetrun --ps_secret_file sets it. Give "
     _v("FLEETX_PS_SAVE_ROOT", "folder parameter servers save checkpoints under and load them "
        "from; a SAVE or init_server(dirname) outside it is refused (default: the server's working "
        "directory)", "user", "ps runtime", "none"),
@@ -130,6 +123,13 @@ _VARS = [
     _v("FLEETX_PS_NONFINITE", "what a parameter server does with a push holding NaN or inf: "
        "refuse (default: an error naming the table) or skip (drop that worker's push for the "
        "step and count it)", "user", "ps runtime", "none"),
+    _v("FLEETX_PS_SECRET", "shared secret every parameter-server connection must prove it "
+       "holds (mutual HMAC challenge-response; it never travels and is never printed); fleetrun "
+       "generates one per job when neither this nor FLEETX_PS_SECRET_FILE is set. Without "
+       "either, servers listen only on loopback addresses", "fleetrun (PS), user", "ps runtime",
+       "none", secret=True),
+    _v("FLEETX_PS_SECRET_FILE", "file holding the shared secret (surrounding whitespace is "
+       "ignored), read when a connection is made; fleetrun --ps_secret_file sets it. Give "
        "every node the same file", "fleetrun --ps_secret_file, user", "ps runtime", "none"),
     _v("FLEETX_PS_MAX_FRAME_MB", "largest parameter-server message payload in MiB a process "
        "sends or accepts; a peer announcing more is disconnected before anything is allocated "
