@@ -12,8 +12,9 @@ others (also those from the same address: nothing is decided per address).
   otherwise it is told BUSY and closed at once (the client retries until its timeout).
 * ``accept()`` errors never end the loop: a connection reset before it was accepted is
   skipped; out of file descriptors (EMFILE/ENFILE) or kernel memory, the oldest pending
-  connection is closed to free one and accepting pauses briefly (backing off to 1 s) while the
-  kernel keeps the rest in the listen queue.
+  connection is closed to free one and accepting goes on, so strangers holding connections
+  are cycled out and a worker queued behind them gets in; with none to close, accepting
+  pauses (backing off from 50 ms to 1 s) while the kernel keeps the rest in the listen queue.
 * Failed handshakes are counted and logged as rate-limited warnings; nothing a connection
   sends before it is authenticated reaches the owner.
 """
@@ -166,10 +167,11 @@ class Acceptor:
                 self._read(key.data)
         now = time.monotonic()
         for p in [p for p in self._pending.values() if p.deadline < now]:
-            self._drop(p)
+            # counted before the peer can see the close (tests read the counters then)
             self.events.warning("handshake_timeout", "%s: a connection from %s did not "
                                 "authenticate within %g s; closed", self.name, p.peer,
                                 self._timeout)
+            self._drop(p)
         if self._paused_until is not None and now >= self._paused_until:
             self._paused_until = None
             self._sel.register(self.sock, selectors.EVENT_READ)
@@ -182,7 +184,8 @@ class Acceptor:
                 return
             except OSError as e:
                 if e.errno in _RESOURCE_ERRORS:
-                    self._starved(e)
+                    if self._starved(e):
+                        continue
                     return
                 # ECONNABORTED, EPROTO, EPERM...: that one connection is gone; the rest wait
                 self.events.warning("accept_error", "%s: accept failed: %s (continuing)",
@@ -191,17 +194,22 @@ class Acceptor:
             self._backoff = 0.05
             self._begin(conn, "%s:%s" % tuple(addr[:2]) if addr else "unknown peer")
 
-    def _starved(self, e: OSError) -> None:
-        """Out of descriptors or memory: free one from the oldest stranger, pause, back off."""
+    def _starved(self, e: OSError) -> bool:
+        """Out of descriptors or memory: close the oldest unauthenticated connection to make
+        room (True: accept again now), or, with none, pause accepting and back off."""
         if self._pending:
+            self.events.warning("out_of_descriptors", "%s: cannot accept connections: %s; "
+                                "closing the oldest unauthenticated ones to make room",
+                                self.name, e.strerror)
             self._drop(next(iter(self._pending.values())))
-            self.events.count("evicted")
+            return True
         self.events.warning("out_of_descriptors", "%s: cannot accept connections: %s; "
                             "pausing %.2f s (the kernel keeps them queued)", self.name,
                             e.strerror, self._backoff)
         self._sel.unregister(self.sock)
         self._paused_until = time.monotonic() + self._backoff
         self._backoff = min(_MAX_BACKOFF, self._backoff * 2)
+        return False
 
     def _begin(self, conn: socket.socket, peer: str) -> None:
         self.events.count("accepted")
@@ -214,9 +222,9 @@ class Acceptor:
             self.events.count("closed_early")
             return
         if len(self._pending) >= self._max_pending:
-            self._drop(next(iter(self._pending.values())))
             self.events.warning("evicted", "%s: %d connections are in the handshake; closed "
                                 "the oldest", self.name, self._max_pending)
+            self._drop(next(iter(self._pending.values())))
         p = _Pending(conn, peer, challenge, time.monotonic() + self._timeout)
         self._pending[conn] = p
         self._sel.register(conn, selectors.EVENT_READ, p)

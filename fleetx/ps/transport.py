@@ -371,25 +371,29 @@ class Link:
     def _fill(self, view: memoryview, deadline: Optional[float]) -> float:
         """Receive exactly ``len(view)`` bytes before ``deadline``. None: the start of a frame,
         awaited for ``dead_after`` seconds of silence; from its first byte on, the frame has
-        ``dead_after`` seconds. Returns the deadline in force."""
+        ``dead_after`` seconds. Within a frame, ``dead_after`` seconds without a byte are
+        death too. Returns the deadline in force."""
         got, n = 0, len(view)
+        last = self.last_recv if deadline is None else time.monotonic()
         while got < n:
             try:
                 k = self.sock.recv_into(view[got:])
             except socket.timeout:
                 now = time.monotonic()
-                if deadline is None:
-                    if now - self.last_recv > self.dead_after:
-                        raise _Late(f"no frame or heartbeat for {self.dead_after:g} s") from None
-                elif now > deadline:
+                if now - last > self.dead_after:
+                    raise _Late(f"no frame or heartbeat for {self.dead_after:g} s"
+                                if deadline is None else f"no data for {self.dead_after:g} s "
+                                "in the middle of a frame") from None
+                if deadline is not None and now > deadline:
                     raise _Late("a frame was not complete within its deadline (dead_after "
                                 "plus 1 s per MiB): the peer sends too slowly") from None
                 continue
             if k == 0:
                 raise EOFError
             got += k
+            last = time.monotonic()
             if deadline is None:  # the frame has begun: it must now complete in time
-                deadline = time.monotonic() + self.dead_after
+                deadline = last + self.dead_after
         return deadline
 
     def _recv_frame(self) -> Message:

@@ -34,7 +34,7 @@ TABLES = Tables((SparseTableSpec("emb", DIM, RuleConfig("sgd", lr=0.5),
 def config(workers: int = 1, secret: str | None = SECRET, **kw) -> PSConfig:
     """One server on a free loopback port (port 0), short liveness settings."""
     kw = {"servers": ["127.0.0.1:0"], "heartbeat_interval": 0.3, "dead_after": 3.0,
-          "timeout": 60.0, **kw}
+          "timeout": 300.0, **kw}
     return PSConfig(num_workers=workers, secret=secret, **kw)
 
 
