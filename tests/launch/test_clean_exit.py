@@ -117,7 +117,7 @@ def test_plain_ddp_under_torchrun_with_fleetx_run_exits_zero_twenty_times(tmp_pa
         run_dir = tmp_path / f"run{i}"
         run_dir.mkdir()
         res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                              "2", "--master_port", "0", "-m", "fleetx.run", str(_PLAIN_DDP)],
+                              "2", "--standalone", "-m", "fleetx.run", str(_PLAIN_DDP)],
                              cwd=run_dir, capture_output=True, text=True, timeout=180)
         assert res.returncode == 0 and _ABORT not in res.stderr, (
             f"run {i}: exit {res.returncode}\n{res.stderr[-3000:]}")
