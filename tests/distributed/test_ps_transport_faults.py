@@ -187,8 +187,9 @@ def trickle(sock, data, interval, until):
         time.sleep(interval)
         sock.settimeout(0.01)
         try:
-            if sock.recv(1) == b"":
-                return time.monotonic() - t0
+            while sock.recv(65536):  # heartbeats may come first: the close is behind them
+                pass
+            return time.monotonic() - t0
         except socket.timeout:
             pass
         except OSError:
@@ -201,11 +202,11 @@ def test_a_one_byte_trickle_is_cut_at_the_frame_deadline(server, caplog):
     with caplog.at_level(logging.WARNING, logger="fleetx.ps"):
         with authed(cfg) as s:  # one byte a second: never silent for dead_after
             took = trickle(s, frame(Kind.STATS) * 10, 1.0, until=30)
-        assert 1.5 < took < 10, took
+        assert 1.5 < took < 5, took
         with raw(cfg) as s:  # the handshake has the same limit
             s.recv(64)
             took = trickle(s, b"x" * RESPONSE_BYTES, 1.0, until=30)
-        assert 1.5 < took < 10, took
+        assert 1.5 < took < 5, took
     assert srv.stats()["connections"]["handshake_timeout"] == 1
     served(cfg)
 
