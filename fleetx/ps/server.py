@@ -319,6 +319,8 @@ class PSServer:
         return msg.reply()
 
     def _worker_lost(self, link: Link, reason: str) -> None:
+        if reason.startswith("protocol error"):  # the transport's words for a malformed frame
+            self._refused.warning("frame", "%s: closed %s: %s", self.name, link.name, reason)
         rank = link.peer_info.get("rank")
         w = self._workers.get(rank) if rank is not None else None
         if w is None or w.link is not link or w.state != "active":
