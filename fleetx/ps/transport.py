@@ -379,21 +379,23 @@ class Link:
             try:
                 k = self.sock.recv_into(view[got:])
             except socket.timeout:
-                now = time.monotonic()
-                if now - last > self.dead_after:
+                if time.monotonic() - last > self.dead_after:
                     raise _Late(f"no frame or heartbeat for {self.dead_after:g} s"
                                 if deadline is None else f"no data for {self.dead_after:g} s "
                                 "in the middle of a frame") from None
-                if deadline is not None and now > deadline:
-                    raise _Late("a frame was not complete within its deadline (dead_after "
-                                "plus 1 s per MiB): the peer sends too slowly") from None
-                continue
+                k = None
             if k == 0:
                 raise EOFError
-            got += k
-            last = time.monotonic()
-            if deadline is None:  # the frame has begun: it must now complete in time
-                deadline = last + self.dead_after
+            if k:
+                got += k
+                last = time.monotonic()
+                if deadline is None:  # the frame has begun: it must now complete in time
+                    deadline = last + self.dead_after
+            # checked on every wake-up: bytes trickling in faster than the socket timeout
+            # must not postpone the check forever
+            if deadline is not None and got < n and time.monotonic() > deadline:
+                raise _Late("a frame was not complete within its deadline (dead_after "
+                            "plus 1 s per MiB): the peer sends too slowly")
         return deadline
 
     def _recv_frame(self) -> Message:
