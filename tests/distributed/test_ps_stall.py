@@ -17,7 +17,8 @@ from fleetx.ps import DenseTableSpec, RuleConfig, SparseTableSpec, Tables  # noq
 TIMEOUT = 6.0  # FLEETX_TIMEOUT of the job
 
 
-@pytest.mark.parametrize("mode, wait", [("sync", "a sync round"), ("async", "barrier 'end'")])
+@pytest.mark.parametrize("mode, wait", [("sync", "a sync round"), ("async", "barrier 'end'")],
+                         ids=["sync-round", "async-barrier"])
 def test_a_stuck_worker_is_named_after_the_timeout(tmp_path, mode, wait):
     tables = Tables((SparseTableSpec("emb", DIM, RuleConfig("sgd")),),
                     (DenseTableSpec("dense", NUMEL, RuleConfig("sgd")),))
