@@ -196,6 +196,12 @@ class PSRuntime:
 
         In a job without servers this loads the checkpoint into the local tables instead
         (call it before ``init_worker``).
+
+        The checkpoint is read by ``run_server``: it must lie under the save root
+        (``FLEETX_PS_SAVE_ROOT``, default the working directory), and every file is verified
+        against its manifest; ``run_server`` raises ``ConfigError`` for a folder outside the
+        root and :class:`fleetx.checkpoint.CheckpointError` naming any file that is missing,
+        damaged or from another save.
         """
         if var_names is not None:
             raise StateError("init_server(var_names=...) is not supported: a checkpoint is "
@@ -222,7 +228,15 @@ class PSRuntime:
 
     def save_persistables(self, dirname: str, mode: int = 0) -> None:
         """The first worker asks every server to write its shards and writes the dense
-        weights; on the other workers this does nothing."""
+        weights; on the other workers this does nothing. Saving again to ``dirname`` replaces
+        the checkpoint atomically (until the new one is complete the previous one stays).
+
+        Raises:
+            StateError: ``mode`` other than 0.
+            ConfigError: ``dirname`` is outside the servers' save root.
+            fleetx.checkpoint.CheckpointError: a table holds NaN or inf, or a file cannot be
+                written (the previous checkpoint is kept).
+        """
         if mode != 0:
             raise StateError(f"save_persistables(mode={mode}): only full saves (mode 0) are "
                              f"supported")
