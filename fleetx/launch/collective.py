@@ -18,21 +18,24 @@ Decisions, in :func:`plan`:
   the interface that holds this node's address (gloo and NCCL otherwise bind to the address the
   host name resolves to, which is often a loopback one such as Debian's 127.0.1.1).
 
-Running, in :func:`run`: the agent's workers start in ``bootstrap.py``; rank 0's log is copied
-to fleetrun's stdout while the job runs; when a process fails the agent stops the others and
-fleetrun reports the rank, its exit code and the end of its log.
+Running, in :func:`run`: the nodes meet in fleetrun's own rendezvous (``rendezvous.py``: the
+store listens on the rendezvous address only, the wait is reported every few seconds and ends
+at ``FLEETX_TIMEOUT`` naming the missing nodes); the agent (``agent.py``) starts the workers in
+``bootstrap.py`` and announces each restart; rank 0's log is copied to fleetrun's stdout while
+the job runs; when a process fails the agent stops the others and fleetrun reports the rank,
+its exit code and the end of its log.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Collection, NoReturn, Optional
 
 from fleetx import env
 from fleetx.launch import bootstrap, hosts, logs
-from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError, NodeSetup
+from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError, LaunchError, NodeSetup
 from fleetx.launch.config import LaunchConfig
 
 __all__ = ["CollectivePlan", "plan", "run", "launch", "DEFAULT_MASTER_PORT"]
@@ -44,6 +47,8 @@ _TAIL_LINES = 20
 # (After a worker failure the agent stops the others with its own 30 s grace.)
 _GRACE_SECONDS = 10
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+#: What a dry run leaves unset: there is no store, and no peer would come to it.
+DRY_RUN_UNSET = ("MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class CollectivePlan:
         setup: what every process of this node receives.
         script, script_args: the training script and its arguments.
         notes: one-line remarks for the user (defaults fleetrun chose).
+        timeout: seconds the node-level rendezvous waits for the other nodes
+            (``FLEETX_TIMEOUT``).
     """
 
     nproc: int
@@ -72,6 +79,7 @@ class CollectivePlan:
     script: str
     script_args: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    timeout: float = 300.0
 
     @property
     def elastic(self) -> bool:
@@ -177,7 +185,7 @@ def plan(config: LaunchConfig, *, cuda_count: Optional[int] = None,
          is_local: Callable[[str], bool] = hosts.is_local_address,
          free_ports: Callable[[int], list[int]] = hosts.free_ports,
          interface_of: Callable[[str], Optional[str]] = hosts.interface_of,
-         launcher_pid: int = 0) -> CollectivePlan:
+         launcher_pid: int = 0, timeout: float = 300.0) -> CollectivePlan:
     """Decide how this node runs ``config``; the probes are parameters so tests can fake them.
 
     Args:
@@ -190,6 +198,7 @@ def plan(config: LaunchConfig, *, cuda_count: Optional[int] = None,
         free_ports: returns that many free ports.
         interface_of: the network interface that holds an address, or None.
         launcher_pid: the pid the processes must have as parent (0: do not check).
+        timeout: seconds the rendezvous waits for the other nodes (``FLEETX_TIMEOUT``).
 
     Raises:
         ConfigError: the flags cannot be served on this node (the message names the flag).
@@ -224,43 +233,21 @@ def plan(config: LaunchConfig, *, cuda_count: Optional[int] = None,
                       launcher_pid=launcher_pid)
     return CollectivePlan(nproc, low, high, node_rank, master_addr, master_port,
                           config.max_restarts, setup, config.training_script,
-                          tuple(config.training_script_args), tuple(notes + ifname_notes))
+                          tuple(config.training_script_args), tuple(notes + ifname_notes),
+                          float(timeout))
 
 
 # -- running ------------------------------------------------------------------------------------
-def _logs_specs(log_dir: str):
-    from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
+def _rendezvous(p: CollectivePlan):
+    """The node-level rendezvous handler; node 0 of a static job (or the node at --master of an
+    elastic one) binds the store's socket here, before anything starts."""
+    from fleetx.launch import rendezvous
 
-    class InheritedStreams(LogsSpecs):
-        """Workers start on the launcher's streams; each bootstrap moves them to its log."""
-
-        def reify(self, envs):
-            ranks = range(len(envs))
-            return LogsDest(stdouts=dict.fromkeys(ranks, ""), stderrs=dict.fromkeys(ranks, ""),
-                            error_files=dict.fromkeys(ranks, os.devnull))
-
-        @property
-        def root_log_dir(self) -> str:
-            return log_dir
-
-    return InheritedStreams(log_dir)
-
-
-def _agent_config(p: CollectivePlan):
-    from torch.distributed.launcher.api import LaunchConfig as AgentConfig
-
-    host = f"[{p.master_addr}]" if ":" in p.master_addr else p.master_addr
-    options = dict(
-        min_nodes=p.min_nodes, max_nodes=p.max_nodes, nproc_per_node=p.nproc, run_id=_RUN_ID,
-        role="trainer", rdzv_endpoint=f"{host}:{p.master_port}",
-        rdzv_backend="c10d" if p.elastic else "static",
-        rdzv_configs={} if p.elastic else {"rank": p.node_rank},
-        max_restarts=p.max_restarts, local_addr=p.setup.own_addr,
-        logs_specs=_logs_specs(p.setup.log_dir))
-    # The agent's grace after a signal is configurable from torch 2.12 on; before, it is 30 s.
-    if "shutdown_timeout" in {f.name for f in fields(AgentConfig)}:
-        options["shutdown_timeout"] = _GRACE_SECONDS
-    return AgentConfig(**options)
+    if p.elastic:
+        return rendezvous.elastic_handler(p.master_addr, p.master_port, p.min_nodes,
+                                          p.max_nodes, p.setup.own_addr, p.timeout, _RUN_ID)
+    return rendezvous.StaticRendezvous(p.node_rank, p.setup.node_addrs, p.master_addr,
+                                       p.master_port, p.timeout, _RUN_ID)
 
 
 def _report_failure(p: CollectivePlan, failures: dict) -> None:
@@ -277,8 +264,11 @@ def _report_failure(p: CollectivePlan, failures: dict) -> None:
         how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
                else f"exited with code {code}")
         path = logs.worker_log(p.setup.log_dir, rank)
-        lines.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}; "
-                     f"last {_TAIL_LINES} lines of {path}:")
+        header = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
+        if rank == 0 and p.node_rank in (0, None):  # copied to stdout as it grew: not twice
+            lines += logs.shown_above(header, path)
+            continue
+        lines.append(f"{header}; last {_TAIL_LINES} lines of {path}:")
         lines += [f"    {line}" for line in logs.last_lines(path, _TAIL_LINES)] or ["    (empty)"]
     if stopped - set(failed):
         lines.append(f"stopped the other process(es): rank={sorted(stopped - set(failed))}")
@@ -286,29 +276,37 @@ def _report_failure(p: CollectivePlan, failures: dict) -> None:
 
 
 def run(p: CollectivePlan) -> int:
-    """Run the plan on the torch elastic agent; the exit code fleetrun should return."""
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+    """Run the plan on the torch elastic agent; the exit code fleetrun should return.
 
-    os.makedirs(p.setup.log_dir, exist_ok=True)
+    Raises:
+        LaunchError: the log folder cannot be written, the store cannot be served, or the other
+            nodes did not come within ``p.timeout`` (the message names them).
+    """
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    from fleetx.launch import agent
+
+    logs.prepare_dir(p.setup.log_dir)
+    handler = _rendezvous(p)
     follower = None
-    if p.node_rank in (0, None):
-        follower = logs.LogFollower(logs.worker_log(p.setup.log_dir, 0), sys.stdout.buffer)
-        follower.start()
     args = ("-u", "-m", "fleetx.launch.bootstrap", p.setup.to_json(), p.script, *p.script_args)
-    failures, stopped_by = None, None
+    result, stopped_by = None, None
     try:
-        elastic_launch(_agent_config(p), sys.executable)(*args)
-    except ChildFailedError as exc:
-        failures = exc.failures
+        if p.node_rank in (0, None):
+            follower = logs.LogFollower(logs.worker_log(p.setup.log_dir, 0), sys.stdout.buffer)
+            follower.start()
+        result = agent.run_agent(
+            handler, p.nproc, sys.executable, args, max_restarts=p.max_restarts,
+            local_addr=p.setup.own_addr, log_dir=p.setup.log_dir,
+            log_of=lambda rank: logs.worker_log(p.setup.log_dir, rank),
+            grace_seconds=_GRACE_SECONDS)
     except SignalException as exc:
         stopped_by = signal.Signals(exc.sigval)
     finally:
         if follower:
             follower.stop()
-    if failures:
-        _report_failure(p, failures)
+    if result is not None and result.is_failed():
+        _report_failure(p, result.failures)
         return EXIT_FAILED
     if stopped_by:
         print(f"fleetrun: received {stopped_by.name}, stopped all processes", file=sys.stderr,
@@ -319,13 +317,17 @@ def run(p: CollectivePlan) -> int:
 
 
 def dry_run_env(p: CollectivePlan) -> dict[str, str]:
-    """The variables of rank 0 of the planned world, plus the dry-run switch."""
+    """The variables of rank 0 of the planned world, plus the dry-run switch.
+
+    No store is served in a dry run, so ``MASTER_ADDR`` and ``MASTER_PORT`` are not among them
+    (:data:`DRY_RUN_UNSET`): a script that calls ``torch.distributed.init_process_group`` itself
+    fails there at once, instead of waiting as rank 0 for peers that never start.
+    """
     world = p.nproc * p.min_nodes
     endpoints = bootstrap.static_endpoints(p.setup) if p.setup.node_addrs else None
     values = bootstrap.process_env(p.setup, 0, 0, world, endpoints)
     values.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0",
-                  LOCAL_WORLD_SIZE=str(p.nproc), GROUP_RANK="0", MASTER_ADDR=p.master_addr,
-                  MASTER_PORT=str(p.master_port), FLEETX_DRY_RUN="1")
+                  LOCAL_WORLD_SIZE=str(p.nproc), GROUP_RANK="0", FLEETX_DRY_RUN="1")
     return values
 
 
@@ -335,7 +337,22 @@ def _plan_here(config: LaunchConfig, **probes) -> CollectivePlan:
         raise ConfigError("training_script", f"{config.training_script}: no such file")
     visible = env.get_list("CUDA_VISIBLE_DEVICES") if env.is_set("CUDA_VISIBLE_DEVICES") else None
     return plan(config, visible=visible, user_omp=env.get("OMP_NUM_THREADS"),
-                user_ifnames=[name for name in _IFNAME_VARS if env.is_set(name)], **probes)
+                user_ifnames=[name for name in _IFNAME_VARS if env.is_set(name)],
+                timeout=_timeout(), **probes)
+
+
+def _timeout() -> float:
+    """``FLEETX_TIMEOUT`` (300 s when unset).
+
+    Raises:
+        LaunchError: it is not a whole number of seconds above 0.
+    """
+    from fleetx.comm.groups import default_timeout
+
+    try:
+        return default_timeout()
+    except env.EnvError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def dry_run(config: LaunchConfig) -> NoReturn:
@@ -351,9 +368,13 @@ def dry_run(config: LaunchConfig) -> NoReturn:
     # Plan as the first node, wherever the dry run happens (a laptop is not in --ips).
     p = _plan_here(config, is_local=lambda addr: addr == config.ips[0])
     child = dict(env.environ)
+    for name in DRY_RUN_UNSET:  # the user's own would lead torch to a store nobody serves
+        child.pop(name, None)
     env.apply(dry_run_env(p), child)
     print(f"fleetrun --dry-run: running {config.training_script} as rank 0 of "
-          f"{p.nproc * p.min_nodes} process(es), without peers", flush=True)
+          f"{p.nproc * p.min_nodes} process(es), without peers; {' and '.join(DRY_RUN_UNSET)} "
+          f"are unset, so a script that calls torch.distributed.init_process_group itself stops "
+          f"there with an error", flush=True)
     sys.stderr.flush()  # anything still buffered would vanish with this process image
     os.execve(sys.executable, [sys.executable, "-u", p.script, *p.script_args], child)
 

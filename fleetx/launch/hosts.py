@@ -16,7 +16,8 @@ from typing import Callable, Optional, Sequence
 
 from fleetx.launch.api import ConfigError
 
-__all__ = ["is_local_address", "node_rank", "free_ports", "route_address", "interface_of"]
+__all__ = ["is_local_address", "node_rank", "free_ports", "listen", "port_in_use", "route_address",
+           "interface_of"]
 
 _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: the IPv4 address of an interface
 _IF_INET6 = "/proc/net/if_inet6"
@@ -76,6 +77,43 @@ def free_ports(count: int, host: str = "") -> list[int]:
     finally:
         for sock in socks:
             sock.close()
+
+
+def listen(address: str, port: int, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``address:port`` only (not on every interface).
+
+    ``SO_REUSEADDR`` is set, as servers do, so a port whose last connection is in TIME_WAIT can be
+    taken again, while a port some process listens on cannot.
+
+    Raises:
+        OSError: the port is in use on that address (``EADDRINUSE``), or the address is not one
+            of this host's (``EADDRNOTAVAIL``), or it does not resolve.
+    """
+    error: OSError = OSError(f"{address} does not resolve")
+    try:
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise OSError(f"{address} does not resolve: {exc.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(backlog)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    raise error
+
+
+def port_in_use(address: str, port: int) -> Optional[str]:
+    """Why a server could not listen on ``address:port`` right now (None: it could)."""
+    try:
+        listen(address, port, backlog=1).close()
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 def route_address(peer: str) -> str:

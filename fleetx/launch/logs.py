@@ -7,11 +7,31 @@ follows rank 0's file and copies it to its own stdout as it grows.
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections import deque
 from typing import BinaryIO, Optional
 
-__all__ = ["worker_log", "endpoints_log", "write_endpoints", "last_lines", "LogFollower"]
+from fleetx.launch.api import LaunchError
+
+__all__ = ["prepare_dir", "worker_log", "endpoints_log", "write_endpoints", "last_lines",
+           "shown_above", "LogFollower"]
+
+
+def prepare_dir(log_dir: str) -> None:
+    """Create the log folder if needed and check that files can be written in it.
+
+    Raises:
+        LaunchError: the folder cannot be created or written (the message names it and why).
+    """
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fleetrun-probe-", dir=log_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise LaunchError(f"--log_dir {log_dir}: cannot write the logs there: "
+                          f"{exc.strerror or exc}") from None
 
 
 def worker_log(log_dir: str, rank: int) -> str:
@@ -36,6 +56,13 @@ def last_lines(path: str, count: int = 20) -> list[str]:
             return [line.rstrip("\n") for line in deque(f, maxlen=count)]
     except OSError:
         return []
+
+
+def shown_above(header: str, path: str) -> list[str]:
+    """The failure report of a log that was shown live: where it is and its last line only (a
+    traceback already on the screen is not printed twice)."""
+    last = next((line for line in reversed(last_lines(path)) if line.strip()), "(empty)")
+    return [f"{header}; its output is shown above (log: {path}), ending with:", f"    {last}"]
 
 
 class LogFollower:

@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 from fleetx import env
 from fleetx.launch import banner, hosts, logs
-from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError
+from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError, LaunchError
 from fleetx.launch.config import LaunchConfig
 
 __all__ = ["PSProcess", "PSPlan", "plan", "run", "launch", "dry_run", "WORKER_BASE_PORT"]
@@ -270,6 +270,9 @@ def _report_failure(p: PSPlan, failed: list, codes: dict) -> None:
         how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
                else f"exited with code {code}")
         path = proc.log_path(p.log_dir)
+        if proc.role == "worker" and proc.index == 0:  # copied to stdout as it grew: not twice
+            lines += logs.shown_above(f"{proc.name} {how}", path)
+            continue
         lines.append(f"{proc.name} {how}; last {_TAIL_LINES} lines of {path}:")
         lines += [f"    {line}" for line in logs.last_lines(path, _TAIL_LINES)] or ["    (empty)"]
     others = [f"{q.role} {q.index}" for q in p.local if q not in failed]
@@ -309,9 +312,27 @@ def _watch(job: _Job, stop_requested: list) -> int:
         time.sleep(_POLL_SECONDS)
 
 
+def _check_server_ports(p: PSPlan) -> None:
+    """Refuse the job before anything starts when a local server could not listen on its port."""
+    for proc in p.local:
+        if proc.role != "server":
+            continue
+        host, _, port = proc.endpoint.rpartition(":")
+        why = hosts.port_in_use(host.strip("[]"), int(port))
+        if why:
+            raise LaunchError(f"{proc.name} cannot listen on port {port} of {host}: {why}; "
+                              f"free it or give that server another port in --servers")
+
+
 def run(p: PSPlan) -> int:
-    """Start this node's processes and watch them; the exit code fleetrun should return."""
-    os.makedirs(p.log_dir, exist_ok=True)
+    """Start this node's processes and watch them; the exit code fleetrun should return.
+
+    Raises:
+        LaunchError: the log folder cannot be written, or a server's port is in use (checked
+            before any process starts).
+    """
+    logs.prepare_dir(p.log_dir)
+    _check_server_ports(p)
     first = {proc.role: proc for proc in reversed(p.local)}
     for proc in (first.get("server"), first.get("worker")):
         if proc is not None:

@@ -1,12 +1,8 @@
-"""The collective plan: devices, backend, nodes, ports and notes, decided with faked probes; and
-the agent configuration it becomes."""
-import dataclasses
-
+"""The collective plan: devices, backend, nodes, ports and notes, decided with faked probes."""
 import pytest
-import torch.distributed.launcher.api as agent_api
 
 from fleetx.launch import ConfigError, LaunchConfig
-from fleetx.launch.collective import _GRACE_SECONDS, DEFAULT_MASTER_PORT, _agent_config, plan
+from fleetx.launch.collective import DEFAULT_MASTER_PORT, DRY_RUN_UNSET, dry_run_env, plan
 
 
 def cfg(**kw):
@@ -159,35 +155,12 @@ def test_no_interface_found_sets_nothing():
     assert (p.setup.gloo_ifname, p.setup.nccl_ifname, p.notes) == (None, None, ())
 
 
-def test_agent_config_passes_the_grace_period_only_where_torch_has_it(monkeypatch):
-    p = make(cfg(nproc_per_node=2))
-    has_it = "shutdown_timeout" in {f.name for f in dataclasses.fields(agent_api.LaunchConfig)}
-    config = _agent_config(p)
-    assert config.rdzv_endpoint == f"127.0.0.1:{p.master_port}" and config.nproc_per_node == 2
-    if has_it:
-        assert config.shutdown_timeout == _GRACE_SECONDS
-
-    @dataclasses.dataclass
-    class OlderAgentConfig:  # the fields of torch 2.4's LaunchConfig that fleetrun sets
-        min_nodes: int
-        max_nodes: int
-        nproc_per_node: int
-        logs_specs: object = None
-        run_id: str = ""
-        role: str = "default_role"
-        rdzv_endpoint: str = ""
-        rdzv_backend: str = "etcd"
-        rdzv_configs: dict = dataclasses.field(default_factory=dict)
-        max_restarts: int = 3
-        local_addr: object = None
-
-    monkeypatch.setattr(agent_api, "LaunchConfig", OlderAgentConfig)
-    older = _agent_config(p)
-    assert (older.rdzv_backend, older.rdzv_configs, older.local_addr) == (
-        "static", {"rank": 0}, "127.0.0.1")
+def test_the_rendezvous_timeout_is_part_of_the_plan():
+    assert make(cfg()).timeout == 300.0
+    assert make(cfg(ips="a,b", host="b"), timeout=8).timeout == 8.0
 
 
-def test_agent_config_brackets_an_ipv6_rendezvous_host():
-    p = make(cfg(nnodes="1:2", master="[fd00::1]:29400", host="fd00::2"))
-    assert p.master_addr == "fd00::1"
-    assert _agent_config(p).rdzv_endpoint == "[fd00::1]:29400"
+def test_a_dry_run_serves_no_store_so_torch_init_fails_at_once():
+    values = dry_run_env(make(cfg(nproc_per_node=4, ips="a,b"), is_local=lambda ip: ip == "a"))
+    assert (values["RANK"], values["WORLD_SIZE"], values["FLEETX_DRY_RUN"]) == ("0", "8", "1")
+    assert not set(DRY_RUN_UNSET) & set(values)

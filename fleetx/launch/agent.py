@@ -1,0 +1,138 @@
+"""The torch elastic agent as fleetrun runs it: the node's processes start, are watched and are
+stopped by torch's ``LocalElasticAgent``; fleetrun gives it its own rendezvous handler
+(``rendezvous.py``) and announces every restart of the worker group with its cause.
+
+``torchrun``'s ``elastic_launch`` builds the same agent, but from a rendezvous registry entry and
+with nothing to say when it restarts the workers; building it here keeps both in fleetrun's
+hands.
+"""
+from __future__ import annotations
+
+import inspect
+import signal
+import sys
+from typing import Callable, Optional, Sequence
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, SignalException
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+__all__ = ["describe_exit", "restart_message", "run_agent"]
+
+_MONITOR_SECONDS = 0.1  # how often the agent polls its processes (WorkerSpec's default varies)
+
+
+def describe_exit(code: int) -> str:
+    """``exited with code 3`` or ``was killed by signal SIGKILL``."""
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def restart_message(failures: dict, restart: int, max_restarts: int,
+                    log_of: Callable[[int], str]) -> str:
+    """The line announcing a restart after ``failures`` ({global rank: ProcessFailure}).
+
+    Example:
+        restart 1 of 2: rank 1 (local rank 1, pid 4242) exited with code 3 (log: log/workerlog.1);
+        restarting the worker group
+    """
+    # Ranks that died of the SIGTERM the agent sent to stop the group are not the cause.
+    stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
+    failed = sorted(set(failures) - stopped) or sorted(failures)
+    causes = "; ".join(f"rank {rank} (local rank {failures[rank].local_rank}, pid "
+                       f"{failures[rank].pid}) {describe_exit(failures[rank].exitcode)} "
+                       f"(log: {log_of(rank)})" for rank in failed)
+    return (f"restart {restart} of {max_restarts}: {causes or 'the worker group is unhealthy'}; "
+            f"restarting the worker group")
+
+
+class _InheritedStreams(LogsSpecs):
+    """Workers start on the launcher's streams; each bootstrap moves them to its log."""
+
+    def __init__(self, log_dir: str) -> None:
+        super().__init__(log_dir=log_dir)
+        self._dir = log_dir
+
+    def reify(self, envs):
+        ranks = range(len(envs))
+        return LogsDest(stdouts=dict.fromkeys(ranks, ""), stderrs=dict.fromkeys(ranks, ""),
+                        error_files=dict.fromkeys(ranks, "/dev/null"))
+
+    @property
+    def root_log_dir(self) -> str:
+        return self._dir
+
+
+class _Agent(LocalElasticAgent):
+    """torch's agent, plus one line whenever it restarts the worker group, saying why."""
+
+    def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, say: Callable[[str], None],
+                 log_of: Callable[[int], str], **options) -> None:
+        super().__init__(spec, logs_specs, **options)
+        self._say, self._log_of = say, log_of
+        self._last: Optional[RunResult] = None
+        self._restarts = 0
+
+    def _monitor_workers(self, worker_group) -> RunResult:
+        self._last = super()._monitor_workers(worker_group)
+        return self._last
+
+    def _restart_workers(self, worker_group) -> None:
+        last, spec = self._last, worker_group.spec
+        if last is not None and last.state.name in ("FAILED", "UNHEALTHY"):
+            self._restarts += 1  # the agent restarts after a failure only while any are left
+            self._say(restart_message(last.failures, self._restarts, spec.max_restarts,
+                                      self._log_of))
+        else:
+            self._say(f"{spec.rdzv_handler.num_nodes_waiting()} more node(s) want to join: "
+                      f"restarting the worker group with them (not counted against "
+                      f"--max_restarts)")
+        super()._restart_workers(worker_group)
+
+
+def _say(message: str) -> None:
+    print(f"fleetrun: {message}", file=sys.stderr, flush=True)
+
+
+def agent_options(grace_seconds: int, accepted: Optional[Sequence[str]] = None) -> dict:
+    """The agent's keyword options; the grace period after a signal only where torch has it
+    (2.12 on; before, it is 30 s)."""
+    if accepted is None:
+        accepted = inspect.signature(LocalElasticAgent.__init__).parameters
+    options: dict = {"start_method": "spawn"}
+    if "shutdown_timeout" in accepted:
+        options["shutdown_timeout"] = grace_seconds
+    return options
+
+
+def run_agent(handler: RendezvousHandler, nproc: int, entrypoint: str, args: Sequence[str], *,
+              max_restarts: int, local_addr: str, log_dir: str, log_of: Callable[[int], str],
+              grace_seconds: int, say: Callable[[str], None] = _say) -> RunResult:
+    """Start ``nproc`` processes of ``entrypoint args`` after the rendezvous, watch them, restart
+    the group up to ``max_restarts`` times after a failure; returns the final result.
+
+    Raises:
+        torch.distributed.elastic.multiprocessing.SignalException: fleetrun got SIGTERM/SIGINT
+            (the processes are stopped by then).
+        LaunchError: the rendezvous failed (from the handler).
+    """
+    spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=entrypoint,
+                      args=tuple(args), rdzv_handler=handler, max_restarts=max_restarts,
+                      monitor_interval=_MONITOR_SECONDS, local_addr=local_addr)
+    agent = _Agent(spec, _InheritedStreams(log_dir), say, log_of, **agent_options(grace_seconds))
+    shutdown = True
+    try:
+        return agent.run()
+    except SignalException:
+        # After a signal the rendezvous stays open (as torchrun leaves it): closing it would
+        # end an elastic job for every node.
+        shutdown = False
+        raise
+    finally:
+        if shutdown:
+            handler.shutdown()
