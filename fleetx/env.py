@@ -102,9 +102,16 @@ _VARS = [
     _v("PADDLE_PORT", "port of this process (servers listen on it)", "fleetrun (PS)", _ROLE,
        "none"),
     # --- fleetx's own ----------------------------------------------------------------------------
-    _v("FLEETX_LOG_DIR", "folder of the per-process logs", "fleetrun", "user scripts", "none"),
+    _v("FLEETX_LOG_DIR", "folder of the per-process logs (a rank whose collective fails leaves "
+       "fault.<rank>.json there, naming the rank at fault, for fleetrun's report)", "fleetrun",
+       "user scripts, comm", "none"),
     _v("FLEETX_TIMEOUT", "seconds a collective or PS request may wait for a peer (default 300)",
        "user", "fleet, ps, launch bootstrap", "TORCH_NCCL_ASYNC_ERROR_HANDLING + init timeout"),
+    _v("FLEETX_DEBUG_COLLECTIVES", "1: before every collective, check that all ranks of the group "
+       "make the same call (operation, shapes, dtypes) and arrive; a divergence or a missing rank "
+       "is an error naming the ranks and the call (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, for "
+       "the groups fleet creates; a barrier and an all-gather per collective). Default 0",
+       "user", "comm", "TORCH_DISTRIBUTED_DEBUG=DETAIL"),
     _v("FLEETX_LOG_INTERVAL", "seconds between the progress lines of parameter-server workers "
        "(samples/s, loss) and servers (rows, memory, requests/s); 0 turns them off (default 10)",
        "user", "ps runtime", "none"),

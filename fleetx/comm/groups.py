@@ -3,28 +3,34 @@ group for host-side utilities (``fleet.util``) even when training runs on NCCL.
 
 The rendezvous is our own thin layer over ``torch.distributed.TCPStore`` so that a missing peer
 is named: every rank announces itself under ``fleetx/join/<rank>``; whoever waits past the timeout
-reports exactly which ranks (and endpoints) never arrived.
+reports exactly which ranks (and endpoints) never arrived. Once joined, each rank reports its
+collective progress to the same store and explains a failed collective by naming the rank that
+did not arrive (:mod:`fleetx.comm.blame`); ``FLEETX_DEBUG_COLLECTIVES=1`` also checks that every
+rank makes the same calls (:mod:`fleetx.comm.debug`).
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from fleetx import env
+from fleetx.comm import debug
+from fleetx.comm.api import Blame, CommError, check_call
+from fleetx.comm.blame import Watch
 
 __all__ = ["CommError", "Communicator", "default_timeout", "pick_backend"]
 
 _POLL_S = 0.05
-
-
-class CommError(RuntimeError):
-    """A peer could not be reached in time (the message names it)."""
+# Seconds between progress reports: often enough that a report is fresh when a collective
+# times out, rarely enough to cost the store nothing (one small set per rank per second).
+_REPORT_S = 1.0
 
 
 def default_timeout() -> float:
@@ -117,6 +123,7 @@ class Communicator:
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
         comm = cls._with_groups(rank, world_size, backend, list(endpoints), timeout, owned=True)
         comm._store = store  # keep the store (and its server on rank 0) alive until close()
+        comm._watch(store)
         return comm
 
     @classmethod
@@ -134,6 +141,9 @@ class Communicator:
                                    group=comm.host_group)
             port = env.get_int("MASTER_PORT", 0)
             comm.endpoints = [f"{h}:{port + 1 + r}" for r, h in enumerate(hosts)]
+        # The script's own store: progress reports go under a prefix of their own.
+        comm._watch(dist.PrefixStore("fleetx/progress",
+                                     dist.distributed_c10d._get_default_store()))
         return comm
 
     @classmethod
@@ -146,10 +156,59 @@ class Communicator:
         comm._owned = owned
         return comm
 
+    def _watch(self, store: "dist.Store") -> None:
+        interval = min(_REPORT_S, self.timeout / 5)
+        self.watch = Watch(store, self.rank, self.timeout, env.get("FLEETX_LOG_DIR"), interval)
+        self.watch.start()
+        self.checker = None
+        if debug.requested():
+            self.checker = debug.Checker(store, self.rank, self.timeout, self.watch.report,
+                                         interval)
+            self.checker.start()
+
+    def check(self, op: str, group: object, tensors: Sequence[torch.Tensor]) -> None:
+        """With ``FLEETX_DEBUG_COLLECTIVES=1``, raise unless every rank of ``group`` is about
+        to make the same call (see :mod:`fleetx.comm.debug`); otherwise nothing.
+
+        Raises:
+            CommError: the calls differ, or a rank did not come (the message names it).
+        """
+        check_call(op, group, tensors)
+
+    def explain(self, exc: BaseException) -> Optional[Blame]:
+        """Which rank made the collective that raised ``exc`` fail (None: cannot tell). The
+        answer is also added to ``exc`` as a note and, under fleetrun, left for the launcher."""
+        watch = getattr(self, "watch", None)
+        return watch.explain(exc) if watch is not None else None
+
+    @contextlib.contextmanager
+    def explaining(self, what: str) -> Iterator[None]:
+        """Run collectives named ``what``; a failure whose cause :meth:`explain` finds is raised
+        as a :class:`CommError` naming the rank at fault (others pass unchanged).
+
+        Example::
+
+            with comm.explaining("fleet.util.all_reduce"):
+                dist.all_reduce(tensor, group=comm.host_group)
+        """
+        try:
+            yield
+        except RuntimeError as exc:
+            blame = self.explain(exc)
+            if blame is None:
+                raise
+            error = CommError(f"{what} failed: {blame.message}")
+            error._fleetx_blame = blame
+            raise error from exc
+
     def barrier(self) -> None:
         """Wait for every rank; on timeout the error names the ranks that did not arrive."""
+        self.check("barrier", self.host_group, ())
         try:
-            dist.monitored_barrier(self.host_group, timeout=timedelta(seconds=self.timeout))
+            with self.explaining("barrier"):
+                dist.monitored_barrier(self.host_group, timeout=timedelta(seconds=self.timeout))
+        except CommError:
+            raise
         except RuntimeError as exc:
             raise CommError(f"barrier failed: {exc}") from exc
 
@@ -159,6 +218,12 @@ class Communicator:
         Called at interpreter exit by the fleet: leaving a process group (and a store client)
         to the interpreter's teardown can abort the process after a successful run.
         """
+        if getattr(self, "checker", None) is not None:
+            self.checker.stop()
+            self.checker = None
+        if getattr(self, "watch", None) is not None:
+            self.watch.stop()  # before the store it reports to goes
+            self.watch = None
         if getattr(self, "_owned", False) and dist.is_initialized():
             dist.destroy_process_group()
         elif self.host_group is not self.group and dist.is_initialized():

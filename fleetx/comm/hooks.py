@@ -25,6 +25,10 @@ and a ring-model estimate of the bytes it put on the wire).
 
 A plain DDP hook (``(state, hook)`` with DDP's signature) is still accepted when it is the only
 entry; it cannot be mixed with stages, since it does its own communication.
+
+With ``FLEETX_DEBUG_COLLECTIVES=1`` the flat topology checks each collective first
+(:func:`fleetx.comm.api.check_call`), and a model with no stages gets the plain pipeline (divide,
+all-reduce: DDP's own arithmetic) so that its gradient all-reduces are checked too.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.futures import Future
+
+from fleetx.comm.api import check_call, checking
 
 __all__ = ["CommHookError", "Traffic", "Link", "GradientCodec", "Topology", "FlatTopology",
            "Channels", "Pipeline", "compose", "done"]
@@ -131,6 +137,7 @@ class FlatTopology(Topology):
 
     def all_reduce(self, tensor: torch.Tensor, channel: int, traffic: Traffic) -> Future:
         group = self.groups[channel]
+        check_call("all_reduce", group, [tensor])
         traffic.record("all_reduce", tensor, dist.get_world_size(group), channel)
         work = dist.all_reduce(tensor, group=group, async_op=True)
         return work.get_future().then(lambda _: tensor)
@@ -139,6 +146,7 @@ class FlatTopology(Topology):
         """Every rank's ``tensor`` (all of one size), in rank order."""
         group = self.groups[channel]
         n = dist.get_world_size(group)
+        check_call("all_gather", group, [tensor])
         traffic.record("all_gather", tensor, n, channel)
         out = [torch.empty_like(tensor) for _ in range(n)]
         work = dist.all_gather(out, tensor, group=group, async_op=True)
@@ -256,7 +264,8 @@ def compose(entries: Sequence[tuple[Any, Any]], group: Any) -> Optional[tuple[An
 
     Args:
         entries: ``(None, stage)`` with a :class:`GradientCodec`, :class:`Topology` or
-            :class:`Channels` stage, or a single plain DDP ``(state, hook)`` pair.
+            :class:`Channels` stage, or a single plain DDP ``(state, hook)`` pair. Empty gives
+            None (DDP's own all-reduce), or the plain pipeline when the debug checks are on.
         group: the data-parallel process group. Process groups for channels and topologies are
             created here, so every rank must compose at the same point.
 
@@ -270,7 +279,7 @@ def compose(entries: Sequence[tuple[Any, Any]], group: Any) -> Optional[tuple[An
         if composed is not None:
             ddp.register_comm_hook(*composed)
     """
-    if not entries:
+    if not entries and not checking():
         return None
     codecs, topologies, channels, plain = [], [], [], []
     for state, stage in entries:

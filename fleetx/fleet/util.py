@@ -66,7 +66,9 @@ class UtilBase:
         tensor, back = _to_tensor(input)
         comm = self._group(comm_world)
         if comm is not None:
-            dist.all_reduce(tensor, op=_OPS[mode], group=comm.host_group)
+            comm.check(f"all_reduce({mode})", comm.host_group, [tensor])
+            with comm.explaining("fleet.util.all_reduce"):
+                dist.all_reduce(tensor, op=_OPS[mode], group=comm.host_group)
         return back(tensor)
 
     def all_gather(self, input: Any, comm_world: str = "worker") -> list:
@@ -80,13 +82,17 @@ class UtilBase:
         if tensor.dim() > 8:
             raise ValueError("fleet.util.all_gather supports at most 8 dimensions")
         shapes = [torch.empty_like(shape) for _ in range(comm.world_size)]
-        dist.all_gather(shapes, shape, group=group)
+        comm.check("all_gather", group, [shape])  # the shapes may differ; their count may not
+        with comm.explaining("fleet.util.all_gather"):
+            dist.all_gather(shapes, shape, group=group)
         dims = [tuple(int(d) for d in s if d >= 0) for s in shapes]
         longest = max(int(np.prod(d)) for d in dims)
         flat = torch.zeros(longest, dtype=tensor.dtype)
         flat[: tensor.numel()] = tensor.reshape(-1)
         out = [torch.empty_like(flat) for _ in range(comm.world_size)]
-        dist.all_gather(out, flat, group=group)
+        comm.check("all_gather", group, [flat])
+        with comm.explaining("fleet.util.all_gather"):
+            dist.all_gather(out, flat, group=group)
         return [back(o[: int(np.prod(d))].reshape(d).clone()) for o, d in zip(out, dims)]
 
     def broadcast(self, input: Any, src: int = 0, comm_world: str = "worker") -> Any:
@@ -96,7 +102,9 @@ class UtilBase:
         if comm is not None:
             if not 0 <= src < comm.world_size:
                 raise ValueError(f"src={src} is outside [0, {comm.world_size})")
-            dist.broadcast(tensor, src=src, group=comm.host_group)
+            comm.check(f"broadcast(src={src})", comm.host_group, [tensor])
+            with comm.explaining("fleet.util.broadcast"):
+                dist.broadcast(tensor, src=src, group=comm.host_group)
         return back(tensor)
 
     def get_file_shard(self, files: Sequence[str]) -> list:

@@ -250,28 +250,58 @@ def _rendezvous(p: CollectivePlan):
                                        p.master_port, p.timeout, _RUN_ID)
 
 
+def _tail(p: CollectivePlan, rank: int, header: str) -> list[str]:
+    path = logs.worker_log(p.setup.log_dir, rank)
+    lines = [f"{header}; last {_TAIL_LINES} lines of {path}:"]
+    return lines + ([f"    {line}" for line in logs.last_lines(path, _TAIL_LINES)]
+                    or ["    (empty)"])
+
+
+def _blames(p: CollectivePlan, failures: dict, failed: list) -> tuple[list, list[str]]:
+    """(ranks at fault, what the failed ranks said about them), from the reports a rank whose
+    collective failed leaves in the log folder (see fleetx.comm.api)."""
+    from fleetx.comm.api import read_fault  # a small module: no torch
+
+    culprits, reporters = [], {}
+    for rank in failed:
+        blame = read_fault(p.setup.log_dir, rank, failures[rank].pid)
+        if blame is not None:
+            culprits += [r for r in blame.ranks if r not in culprits]
+            reporters.setdefault(blame.message, []).append(rank)
+    said = [f"{message} (reported by rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))})" for message, ranks in reporters.items()]
+    return sorted(culprits), said
+
+
 def _report_failure(p: CollectivePlan, failures: dict) -> None:
     """Name the failed ranks with exit code and log tail. Ranks that only died of the SIGTERM
-    the agent sent to stop the job are listed as stopped, not as failures."""
+    the agent sent to stop the job are listed as stopped, not as failures; but when a failed
+    rank reported that its collective failed because of another rank (one that never arrived),
+    that rank is named first, as the one at fault."""
     stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
     failed = sorted(set(failures) - stopped) or sorted(failures)
+    culprits, said = _blames(p, failures, failed)
     total = "" if p.elastic else f" {p.nproc * p.max_nodes}"
-    lines = [f"ABORT!!! Out of all{total} trainers, the trainer process with rank={failed} was "
-             f"aborted. Please check its log."]
+    if culprits:
+        lines = [f"ABORT!!! Out of all{total} trainers, the trainer process with rank="
+                 f"{culprits} was at fault: {'; '.join(said)}. Please check its log."]
+    else:
+        lines = [f"ABORT!!! Out of all{total} trainers, the trainer process with rank={failed} "
+                 f"was aborted. Please check its log."]
     for rank in failed:
         failure = failures[rank]
         code = failure.exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
                else f"exited with code {code}")
-        path = logs.worker_log(p.setup.log_dir, rank)
-        header = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
-        if rank == 0 and p.node_rank in (0, None):  # copied to stdout as it grew: not twice
-            lines += logs.shown_above(header, path)
-            continue
-        lines.append(f"{header}; last {_TAIL_LINES} lines of {path}:")
-        lines += [f"    {line}" for line in logs.last_lines(path, _TAIL_LINES)] or ["    (empty)"]
-    if stopped - set(failed):
-        lines.append(f"stopped the other process(es): rank={sorted(stopped - set(failed))}")
+        lines += _tail(p, rank, f"rank {rank} (local rank {failure.local_rank}, pid "
+                                f"{failure.pid}) {how}")
+    for rank in (r for r in culprits if r not in failed):
+        where = (f" (local rank {failures[rank].local_rank}, pid {failures[rank].pid})"
+                 if rank in failures else "")
+        lines += _tail(p, rank, f"rank {rank}{where} was at fault and was stopped")
+    others = sorted(stopped - set(failed) - set(culprits))
+    if others:
+        lines.append(f"stopped the other process(es): rank={others}")
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 

@@ -1,0 +1,88 @@
+"""Collective progress and blame, in one process: what the flight recorder and the beacon report
+about real calls on a 1-process gloo group, how a peer's state is put into words, and the fault
+report fleetrun reads."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fleetx import env
+from fleetx.comm import blame, debug, progress
+from fleetx.comm.api import Blame, read_fault, write_fault
+from fleetx.comm.progress import Call, Record
+
+
+@pytest.fixture
+def world():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=0, world_size=1)
+    yield store
+    dist.destroy_process_group()
+
+
+def test_recent_calls_and_sequence_numbers_come_from_torch(world):
+    dist.all_reduce(torch.ones(3))
+    dist.broadcast(torch.zeros(2, 4, dtype=torch.int64), src=0)
+    assert progress.sequence_numbers() == {"0": 2}
+    assert progress.group_name(None) == "0" and progress.groups()["0"][1] == [0]
+    calls = [c for c in progress.recent_calls() if c.group == "0"][-2:]
+    assert [(c.op, c.seq, c.shapes, c.dtypes) for c in calls] == [
+        ("all_reduce", 1, ((3,),), ("float32",)), ("broadcast", 2, ((2, 4),), ("int64",))]
+    assert calls[1].describe() == "broadcast #2 (int64 [2, 4])"
+    assert 0 < time.time() - calls[1].started < 60
+
+
+def test_beacon_says_where_a_stalled_rank_is(world):
+    beacon = progress.Beacon(world, rank=0, interval=0.05, stall_after=0.0)
+    dist.all_reduce(torch.ones(1))
+    beacon.publish()
+    first = progress.read_record(world, 0)
+    assert first.seqs == {"0": 1} and first.latest is None      # moving: no dump
+    beacon.publish()                                           # no new call since: stalled
+    stalled = progress.read_record(world, 0)
+    assert stalled.latest.op == "all_reduce" and stalled.latest.seq == 1
+    beacon.start()
+    time.sleep(0.3)
+    beacon.stop()
+    assert progress.read_record(world, 0).time > stalled.time  # the thread kept reporting
+    assert progress.read_record(world, 5) is None              # a rank that never reported
+
+
+def test_a_peers_state_in_words():
+    call = Call("all_reduce", "0", 20, ((5,),), ("float32",), started=100.0)
+    alive = Record(1, 42, time=109.6, seqs={"0": 20}, latest=call)
+    assert alive.state(interval=1.0, now=110.0) == (
+        "it is alive (reported 0.4 s ago), its latest call: all_reduce #20 (float32 [5]) on "
+        "group 0, entered 10 s ago")
+    assert alive.state(interval=1.0, now=125.0) == (
+        "it has not reported for 15 s (stopped, frozen or gone)")
+
+
+def test_collective_failures_and_the_ranks_torch_names():
+    assert blame.is_collective_failure(RuntimeError(
+        "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv"))
+    assert not blame.is_collective_failure(ValueError("Timed out"))
+    assert not blame.is_collective_failure(RuntimeError("CUDA out of memory"))
+    assert blame._named_ranks("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 4000 ms") \
+        == [1, 3]
+    assert blame._named_ranks("Timed out waiting") == []
+
+
+def test_fault_reports_belong_to_one_process(tmp_path):
+    write_fault(str(tmp_path), Blame(2, 77, (0, 1), "rank 0 did not arrive"))
+    assert read_fault(str(tmp_path), 2, 77) == Blame(2, 77, (0, 1), "rank 0 did not arrive")
+    assert read_fault(str(tmp_path), 2, 78) is None        # another process's (an earlier job)
+    assert read_fault(str(tmp_path), 1, 77) is None        # no report
+    (tmp_path / "fault.2.json").write_text('{"reporter": 2}')
+    assert read_fault(str(tmp_path), 2, 77) is None        # unreadable
+
+
+def test_debug_switch_is_0_or_1(monkeypatch):
+    monkeypatch.setitem(env.environ, "FLEETX_DEBUG_COLLECTIVES", "1")
+    assert debug.requested()
+    monkeypatch.setitem(env.environ, "FLEETX_DEBUG_COLLECTIVES", "yes")
+    with pytest.raises(env.EnvError, match="FLEETX_DEBUG_COLLECTIVES='yes' must be 0 or 1"):
+        debug.requested()
+    monkeypatch.delitem(env.environ, "FLEETX_DEBUG_COLLECTIVES")
+    assert not debug.requested()
