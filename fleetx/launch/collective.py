@@ -252,6 +252,8 @@ def _rendezvous(p: CollectivePlan):
 
 def _tail(p: CollectivePlan, rank: int, header: str) -> list[str]:
     path = logs.worker_log(p.setup.log_dir, rank)
+    if rank == 0 and p.node_rank in (0, None):  # copied to stdout as it grew: not twice
+        return logs.shown_above(header, path)
     lines = [f"{header}; last {_TAIL_LINES} lines of {path}:"]
     return lines + ([f"    {line}" for line in logs.last_lines(path, _TAIL_LINES)]
                     or ["    (empty)"])
