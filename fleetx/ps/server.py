@@ -211,8 +211,10 @@ class PSServer:
         self._heartbeats.discard(link)
         with self._links_lock:
             self._links.discard(link)
-        if "rank" not in link.peer_info and reason != "connection closed by peer":
-            # a registered worker's loss is reported by the handler; this one would go unseen
+        if "rank" not in link.peer_info and reason != "connection closed by peer" and \
+                not reason.startswith("protocol error"):
+            # a registered worker's loss and a malformed frame are reported by the handler;
+            # this one (a trickle, a reader too slow) would go unseen
             self._acceptor.events.warning("dropped", "%s: dropped %s: %s", self.name,
                                           link.name, reason)
         self._queue.put((link, _Lost(reason)))
