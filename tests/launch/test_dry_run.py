@@ -6,6 +6,7 @@ import os
 import pty
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "dry_run_plan.py"
@@ -30,6 +31,24 @@ def test_communication_before_the_plan_is_a_clear_error(tmp_path):
     res = fleetrun(tmp_path, "--nproc_per_node", "2", str(SCRIPT), "--communicate-first")
     assert res.returncode != 0
     assert "dry run: the script communicates" in res.stderr
+
+
+def test_a_plain_torch_distributed_script_ends_at_its_init(tmp_path):
+    """No store is served, so init_process_group fails at once instead of waiting as rank 0 for a
+    peer that never starts; the user's own MASTER_ADDR/MASTER_PORT (a store nobody serves here)
+    do not count either."""
+    plain = SCRIPT.with_name("launch_allreduce.py")  # dist.init_process_group("gloo"), all_reduce
+    environ = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="9")
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "fleetx.launch", "--dry-run", "--nproc_per_node",
+                          "2", str(plain)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120, env=environ)
+    assert time.monotonic() - start < 60
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert ("MASTER_ADDR and MASTER_PORT are unset, so a script that calls "
+            "torch.distributed.init_process_group itself stops there with an error") in res.stdout
+    assert "environment variable MASTER_ADDR expected, but not set" in res.stderr
+    assert "RESULT" not in res.stdout
 
 
 
