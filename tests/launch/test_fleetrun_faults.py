@@ -105,15 +105,26 @@ def test_an_elastic_job_says_how_many_nodes_joined_and_gives_up_at_the_timeout(t
 
 
 @pytest.mark.slow
-def test_an_elastic_job_says_it_waits_for_more_nodes_before_starting_with_fewer(tmp_path):
-    """torch waits 30 s for more nodes once the minimum joined: fleetrun says so."""
+def test_an_elastic_job_says_it_waits_for_more_nodes_and_binds_its_stores_to_master(tmp_path):
+    """torch waits 30 s for more nodes once the minimum joined: fleetrun says so. Then both of
+    its stores (the rendezvous one and the workers' one) listen on 127.0.0.1 only."""
     port = hosts.free_ports(1)[0]
-    res = run(["--nnodes", "1:2", "--master", f"127.0.0.1:{port}",
-               SCRIPTS / "launch_allreduce.py"], tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
+    token = f"fleetx-elastic-bind-{os.getpid()}"
+    proc = subprocess.Popen(
+        fleetrun_cmd("--nnodes", "1:2", "--master", f"127.0.0.1:{port}",
+                     SCRIPTS / "launch_sleep.py", token, tmp_path),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = wait_for(lambda: (tmp_path / "ready.0").exists(), 120)
+        sockets = listening(proc.pid)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert ready, err
     assert (f"fleetrun: 1 of 1..2 node(s) joined the rendezvous at 127.0.0.1:{port}; starting "
-            f"in ") in res.stderr
-    assert "RESULT 0 0 1.0" in res.stdout
+            f"in ") in err
+    assert ("127.0.0.1", port) in sockets and len(sockets) == 2, sockets
+    assert {addr for addr, _ in sockets} == {"127.0.0.1"}, sockets
 
 
 # -- two loopback nodes; where the store listens --------------------------------------------------
