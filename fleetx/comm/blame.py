@@ -107,6 +107,8 @@ def _late_peers(failed: Call, calls: list[Call], members: list[int], records: di
         if peer == rank or record is None:
             continue
         entered = record.seqs.get(failed.group)
+        if record.time < failed.started and not record.silent(interval, now):
+            continue  # reported before this call began and not silent since: no evidence
         if entered is not None and entered < failed.seq:
             late[peer] = (f"rank {peer} did not arrive at {_op_of(entered + 1, failed, calls)} "
                           f"#{entered + 1} on group {failed.group} (ranks {members}) within "

@@ -77,11 +77,15 @@ class Record:
     seqs: dict
     latest: Optional[Call] = None
 
+    def silent(self, interval: float, now: float) -> bool:
+        """Whether the rank has missed several reports: it is frozen or gone, not busy."""
+        return now - self.time > _SILENT_INTERVALS * interval
+
     def state(self, interval: float, now: float) -> str:
         """``it is alive (reported 0.4 s ago), its latest call: ...`` or, when it has been
         silent for several intervals, that it stopped."""
         age = now - self.time
-        if age > _SILENT_INTERVALS * interval:
+        if self.silent(interval, now):
             return f"it has not reported for {age:.0f} s (stopped, frozen or gone)"
         latest = self.latest
         where = (f", its latest call: {latest.describe()} on group {latest.group}, entered "

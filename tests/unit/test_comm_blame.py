@@ -86,3 +86,24 @@ def test_debug_switch_is_0_or_1(monkeypatch):
         debug.requested()
     monkeypatch.delitem(env.environ, "FLEETX_DEBUG_COLLECTIVES")
     assert not debug.requested()
+
+
+def test_a_peer_is_blamed_only_on_evidence_from_after_the_call_began():
+    failed = Call("all_reduce", "0", 12, started=100.0)
+    calls = [Call("all_reduce", "0", 11, started=90.0), failed]
+
+    def late(record, now):
+        return blame._late_peers(failed, calls, [0, 1], {1: record}, rank=0, waited=20.0,
+                                 interval=1.0, now=now)
+
+    # behind, and said so after rank 0 began waiting: did not arrive
+    assert late(Record(1, 7, time=119.5, seqs={"0": 11}), now=120.0) == {1: (
+        "rank 1 did not arrive at all_reduce #12 on group 0 (ranks [0, 1]) within 20 s; it is "
+        "alive (reported 0.5 s ago)")}
+    # arrived (its count includes the call): not late
+    assert late(Record(1, 7, time=119.5, seqs={"0": 12}), now=120.0) == {}
+    # its last report is older than the call and recent: it may have come since (no evidence)
+    assert late(Record(1, 7, time=99.8, seqs={"0": 0}), now=100.3) == {}
+    # ... but silent for long: named as such
+    assert late(Record(1, 7, time=99.8, seqs={"0": 11}), now=120.0)[1].endswith(
+        "it has not reported for 20 s (stopped, frozen or gone)")
