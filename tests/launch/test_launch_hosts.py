@@ -43,3 +43,13 @@ def test_ipv6_interfaces_from_the_kernel_table(tmp_path):
                      "00000000000000000000000000000001 01 80 10 80       lo\n")
     assert hosts._ipv6_interfaces(str(table)) == {"fd00::2": "eth0", "::1": "lo"}
     assert hosts._ipv6_interfaces(str(tmp_path / "missing")) == {}
+
+
+def test_listen_binds_the_given_address_only_and_port_in_use_says_why():
+    with hosts.listen("127.0.0.2", 0) as sock:
+        port = sock.getsockname()[1]
+        assert sock.getsockname()[0] == "127.0.0.2"
+        assert hosts.port_in_use("127.0.0.2", port) == "Address already in use"
+        assert hosts.port_in_use("127.0.0.1", port) is None  # another address, another socket
+    assert hosts.port_in_use("127.0.0.2", port) is None
+    assert hosts.port_in_use("192.0.2.123", port) == "Cannot assign requested address"
