@@ -105,8 +105,9 @@ _VARS = [
     _v("FLEETX_LOG_DIR", "folder of the per-process logs (a rank whose collective fails leaves "
        "fault.<rank>.json there, naming the rank at fault, for fleetrun's report)", "fleetrun",
        "user scripts, comm", "none"),
-    _v("FLEETX_TIMEOUT", "seconds a collective or PS request may wait for a peer (default 300)",
-       "user", "fleet, ps, launch bootstrap", "TORCH_NCCL_ASYNC_ERROR_HANDLING + init timeout"),
+    _v("FLEETX_TIMEOUT", "seconds a collective or PS request may wait for a peer, and fleetrun "
+       "for the other nodes at the rendezvous (default 300)", "user",
+       "fleet, ps, fleetrun, launch bootstrap", "TORCH_NCCL_ASYNC_ERROR_HANDLING + init timeout"),
     _v("FLEETX_DEBUG_COLLECTIVES", "1: before every collective, check that all ranks of the group "
        "make the same call (operation, shapes, dtypes) and arrive; a divergence or a missing rank "
        "is an error naming the ranks and the call (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, for "
