@@ -93,14 +93,17 @@ def serve(addr: str, port: int, hint: str) -> socket.socket:
     try:
         return hosts.listen(addr, port)
     except OSError as exc:
-        if exc.errno == errno.EADDRINUSE:
-            why = f"port {port} is already in use on {addr}; {hint}"
-        elif exc.errno == errno.EADDRNOTAVAIL:
-            why = f"{addr} is not an address of this node"
-        else:
-            why = exc.strerror or str(exc)
-        raise LaunchError(f"cannot serve the rendezvous store at {_endpoint(addr, port)}: "
-                          f"{why}") from None
+        raise _cannot_serve(exc, addr, port, hint) from None
+
+
+def _cannot_serve(exc: OSError, addr: str, port: int, hint: str) -> LaunchError:
+    if exc.errno == errno.EADDRINUSE:
+        why = f"port {port} is already in use on {addr}; {hint}"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        why = f"{addr} is not an address of this node"
+    else:
+        why = exc.strerror or str(exc)
+    return LaunchError(f"cannot serve the rendezvous store at {_endpoint(addr, port)}: {why}")
 
 
 def _server_store(listener: socket.socket, addr: str, timeout: timedelta) -> TCPStore:
@@ -321,7 +324,7 @@ def elastic_handler(master_addr: str, master_port: int, min_nodes: int, max_node
             listener = hosts.listen(master_addr, master_port)
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:  # in use: another node of this host serves it
-                serve(master_addr, master_port, "")  # raises with the reason
+                raise _cannot_serve(exc, master_addr, master_port, "") from None
     if listener is not None:
         store = _server_store(listener, master_addr, _STORE_READ_TIMEOUT)
     else:
