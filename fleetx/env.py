@@ -142,6 +142,11 @@ _VARS = [
     _v("FLEETX_PS_MAX_FRAME_MB", "largest parameter-server message payload in MiB a process "
        "sends or accepts; a peer announcing more is disconnected before anything is allocated "
        "(default 1024)", "user", "ps runtime", "none"),
+    _v("FLEETX_PS_TRANSPORT", "parameter-server transport: tcp (default: fleetx's own "
+       "authenticated links) or zmq (pyzmq, `pip install fleetx[bench]`; no authentication, so "
+       "servers and workers refuse any non-loopback endpoint: it exists to measure the two "
+       "against each other); any other value is an error naming the choices", "user",
+       "ps runtime", "none"),
     _v("FLEETX_DRY_RUN", "1: print the plan at distributed_optimizer and exit 0 before any "
        "communication", "fleetrun --dry-run", "fleet", "none"),
     _v("FLEETX_TTY", "1 when fleetrun's own stdout is a terminal, else 0: rank 0's (worker 0's) "

@@ -29,8 +29,8 @@ __all__ = [
     "MAX_META_BYTES", "MAX_BUFFERS", "Kind", "DTYPES", "DTYPE_CODES", "Mode",
     "PSError", "ConfigError", "ProtocolError", "PeerLostError", "RemoteError", "PSTimeoutError",
     "StateError", "AuthError", "RequestError", "NONFINITE", "DEFAULT_MAX_FRAME_BYTES",
-    "RuleConfig", "InitConfig", "SparseTableSpec", "DenseTableSpec", "Tables", "PSConfig",
-    "CommunicatorConfig",
+    "TRANSPORTS", "RuleConfig", "InitConfig", "SparseTableSpec", "DenseTableSpec", "Tables",
+    "PSConfig", "CommunicatorConfig",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -362,6 +362,8 @@ class Tables:
 
 #: PSConfig.nonfinite choices: refuse a push holding NaN/inf, or skip it and count it
 NONFINITE = ("refuse", "skip")
+#: PSConfig.transport choices: fleetx's own TCP links, or ZeroMQ (loopback, for comparison only)
+TRANSPORTS = ("tcp", "zmq")
 
 
 @dataclass(frozen=True)
@@ -397,6 +399,9 @@ class PSConfig:
             it in STATS (``skipped_pushes``).
         save_root: the folder SAVE requests and checkpoint loads are confined to
             (``FLEETX_PS_SAVE_ROOT``); None: the server's working directory.
+        transport: ``tcp`` (fleetx's authenticated links) or ``zmq`` (pyzmq, unauthenticated,
+            loopback only: it exists to measure the two against each other,
+            :mod:`fleetx.ps.transport_zmq`); ``FLEETX_PS_TRANSPORT``.
     """
 
     servers: tuple
@@ -415,6 +420,7 @@ class PSConfig:
     max_rows: int = 0
     nonfinite: str = "refuse"
     save_root: Optional[str] = None
+    transport: str = "tcp"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -442,6 +448,8 @@ class PSConfig:
                  f"PSConfig.max_rows={self.max_rows!r}: expected an int >= 0 (0: no limit)")
         _require(self.nonfinite in NONFINITE, f"PSConfig.nonfinite={self.nonfinite!r}: "
                  f"expected one of {NONFINITE}")
+        _require(self.transport in TRANSPORTS, f"PSConfig.transport={self.transport!r}: "
+                 f"expected one of {TRANSPORTS}")
 
     @property
     def num_servers(self) -> int:

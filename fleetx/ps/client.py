@@ -106,9 +106,7 @@ class KVClient:
         for i in range(c.num_servers):
             host, port = endpoint_of(c.servers, i)
             name = f"server {i} ({c.servers[i]})"
-            link = Link(connect(host, port, name, c.timeout, key), name, self._on_reply,
-                        self._on_lost, c.dead_after, self._allocate,
-                        max_frame_bytes=c.max_frame_bytes)
+            link = self._connect(host, port, name, key)
             link.peer_info["index"] = i
             self._links.append(link.start())
             self._heartbeats.add(link)
@@ -119,6 +117,18 @@ class KVClient:
         for r in replies:
             self.initialized |= set(r.meta.get("initialized", ()))
         self._registered = True
+
+    def _connect(self, host: str, port: int, name: str, key: bytes) -> Link:
+        """A link to one server over the configured transport (``PSConfig.transport``), not
+        yet started."""
+        c = self.config
+        options = {"on_message": self._on_reply, "on_lost": self._on_lost,
+                   "dead_after": c.dead_after, "allocator": self._allocate,
+                   "max_frame_bytes": c.max_frame_bytes}
+        if c.transport == "zmq":  # loopback-only comparison: no handshake
+            from fleetx.ps.transport_zmq import connect_link
+            return connect_link(host, port, name, c.timeout, **options)
+        return Link(connect(host, port, name, c.timeout, key), name, **options)
 
     def stop(self) -> None:
         """Say BYE to every server (they stop counting this worker) and disconnect."""

@@ -29,7 +29,7 @@ import time
 from typing import Optional
 
 from fleetx import env
-from fleetx.ps.api import AuthError, ConfigError, PSConfig, PSTimeoutError
+from fleetx.ps.api import TRANSPORTS, AuthError, ConfigError, PSConfig, PSTimeoutError
 
 __all__ = ["CHALLENGE", "RESPONSE_BYTES", "OK", "REJECTED", "BUSY", "VERDICT_OK_BYTES",
            "resolve_secret", "require_secret", "Challenge", "client_handshake", "is_loopback",
@@ -55,15 +55,21 @@ _warned = threading.Event()
 
 def settings_from_env() -> dict:
     """``PSConfig`` fields from the environment: the secret (``FLEETX_PS_SECRET`` or
-    ``FLEETX_PS_SECRET_FILE``, only named here; checked when a connection is made) and the
-    frame limit (``FLEETX_PS_MAX_FRAME_MB``).
+    ``FLEETX_PS_SECRET_FILE``, only named here; checked when a connection is made), the
+    frame limit (``FLEETX_PS_MAX_FRAME_MB``) and the transport (``FLEETX_PS_TRANSPORT``).
 
     Raises:
-        fleetx.env.EnvError: ``FLEETX_PS_MAX_FRAME_MB`` is not a number.
+        fleetx.env.EnvError: ``FLEETX_PS_MAX_FRAME_MB`` is not a number, or
+            ``FLEETX_PS_TRANSPORT`` is not one of :data:`fleetx.ps.api.TRANSPORTS`.
     """
+    transport = env.get("FLEETX_PS_TRANSPORT", "tcp")
+    if transport not in TRANSPORTS:
+        raise env.EnvError(f"environment variable FLEETX_PS_TRANSPORT={transport!r}: expected "
+                           f"one of {', '.join(TRANSPORTS)}")
     return {"secret": env.get("FLEETX_PS_SECRET"),
             "secret_file": env.get("FLEETX_PS_SECRET_FILE"),
-            "max_frame_bytes": int(env.get_float("FLEETX_PS_MAX_FRAME_MB", 1024.0) * (1 << 20))}
+            "max_frame_bytes": int(env.get_float("FLEETX_PS_MAX_FRAME_MB", 1024.0) * (1 << 20)),
+            "transport": transport}
 
 
 def resolve_secret(config: PSConfig) -> Optional[bytes]:

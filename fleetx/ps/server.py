@@ -143,9 +143,7 @@ class PSServer:
         """
         host, port = endpoint_of(self.config.servers, self.index)
         key = require_secret(self.config, host, self.name)
-        # a connection silent for dead_after is dead; a real handshake takes about a millisecond
-        self._acceptor = Acceptor(host, port, key, self.name, self._has_room, self._adopt,
-                                  handshake_timeout=min(HANDSHAKE_TIMEOUT, self.config.dead_after))
+        self._acceptor = self._listen(host, port, key)
         self.name = f"server {self.index} ({self.endpoint})"
         self._acceptor.name = self.name
         self._heartbeats = Heartbeats(self.config.heartbeat_interval)
@@ -189,16 +187,33 @@ class PSServer:
         if self._heartbeats:
             self._heartbeats.stop()
 
+    def _listen(self, host: str, port: int, key: bytes):
+        """The front door of the configured transport (``PSConfig.transport``)."""
+        if self.config.transport == "zmq":  # loopback-only comparison: no handshake
+            from fleetx.ps.transport_zmq import Listener
+            return Listener(host, port, self.name, self._has_room, self._serve_link,
+                            self._link_options())
+        # a connection silent for dead_after is dead; a real handshake takes about a millisecond
+        return Acceptor(host, port, key, self.name, self._has_room, self._adopt,
+                        handshake_timeout=min(HANDSHAKE_TIMEOUT, self.config.dead_after))
+
+    def _link_options(self) -> dict:
+        """Replies are queued per link, so a peer that stops reading never blocks the handler
+        thread; a peer may have ``_MAX_INFLIGHT`` requests waiting for it."""
+        return {"on_message": self._on_message, "on_lost": self._on_link_lost,
+                "dead_after": self.config.dead_after,
+                "max_frame_bytes": self.config.max_frame_bytes, "queued": True,
+                "max_inflight": _MAX_INFLIGHT}
+
     def _has_room(self) -> bool:
         with self._links_lock:
             return len(self._links) < self.config.connection_limit and not self._done.is_set()
 
     def _adopt(self, sock, peer: str) -> None:
-        """An authenticated connection (from the acceptor's thread): serve it. Replies are
-        queued per link, so a peer that stops reading never blocks the handler thread."""
-        link = Link(sock, f"connection from {peer}", self._on_message, self._on_link_lost,
-                    self.config.dead_after, max_frame_bytes=self.config.max_frame_bytes,
-                    queued=True, max_inflight=_MAX_INFLIGHT)
+        """An authenticated connection (from the acceptor's thread): serve it."""
+        self._serve_link(Link(sock, f"connection from {peer}", **self._link_options()))
+
+    def _serve_link(self, link: Link) -> None:
         with self._links_lock:
             self._links.add(link)
         self._heartbeats.add(link)

@@ -43,7 +43,8 @@ from fleetx.ps.api import (DEFAULT_MAX_FRAME_BYTES, DESCRIPTOR, DTYPE_CODES, DTY
                            FLAG_REPLY, HEADER, MAX_BUFFERS, MAX_META_BYTES, WIRE_MAGIC,
                            WIRE_VERSION, Kind, PeerLostError, ProtocolError)
 
-__all__ = ["Message", "Link", "Heartbeats", "MAX_QUEUED_BYTES"]
+__all__ = ["Message", "Link", "Heartbeats", "MAX_QUEUED_BYTES", "encode_frame", "parse_header",
+           "read_descriptors"]
 
 log = logging.getLogger("fleetx.ps")
 
@@ -88,7 +89,7 @@ class Message:
                 f"meta={self.meta}, bufs={[b.shape for b in self.bufs]})")
 
 
-def _encode(msg: Message, max_frame_bytes: int) -> list:
+def encode_frame(msg: Message, max_frame_bytes: int) -> list:
     """The frame as a list of byte views: header+descriptors+meta, then every buffer.
 
     Raises:
@@ -189,7 +190,7 @@ class Link:
             PeerLostError: the link is or goes down (a queued link: the peer reads too slowly).
             ProtocolError: the frame cannot travel (dtype, size); the link stays up.
         """
-        parts = _encode(msg, self.max_frame_bytes)
+        parts = encode_frame(msg, self.max_frame_bytes)
         # a blocking send must not hold _cond: closing the link from another thread (a lost
         # peer seen by the receive thread) has to wake it, not wait for it
         with (self._cond if self.queued else self._send_lock):
@@ -401,19 +402,10 @@ class Link:
     def _recv_frame(self) -> Message:
         head = bytearray(HEADER.size)
         deadline = self._fill(memoryview(head), None)
-        magic, version, kind, flags, req_id, nbufs, meta_len, total = HEADER.unpack(head)
-        if magic != WIRE_MAGIC:
-            raise ProtocolError(f"bad magic {bytes(magic)!r} (not a fleetx.ps peer?)")
-        if version != WIRE_VERSION:
-            raise ProtocolError(f"wire version {version}, expected {WIRE_VERSION}")
-        if nbufs > MAX_BUFFERS or meta_len > MAX_META_BYTES:
-            raise ProtocolError(f"frame too large: {nbufs} buffers, {meta_len} meta bytes")
-        if total > self.max_frame_bytes:
-            raise ProtocolError(f"a frame announces {total} bytes, more than the limit of "
-                                f"{self.max_frame_bytes} (FLEETX_PS_MAX_FRAME_MB)")
+        kind, flags, req_id, nbufs, meta_len, total = parse_header(head, self.max_frame_bytes)
         rest = bytearray(nbufs * DESCRIPTOR.size + meta_len)
         self._fill(memoryview(rest), deadline)
-        descs = _descriptors(rest, nbufs, total)
+        descs = read_descriptors(rest, nbufs, total)
         try:
             meta = json.loads(bytes(rest[nbufs * DESCRIPTOR.size:]) or b"{}")
             msg = Message(kind, req_id, meta, (), flags)
@@ -434,7 +426,33 @@ class Link:
         return msg
 
 
-def _descriptors(rest: bytearray, nbufs: int, total: int) -> list:
+def parse_header(head, max_frame_bytes: int) -> tuple:
+    """``(kind, flags, req_id, nbufs, meta_len, total)`` of a frame's 32-byte header.
+
+    Raises:
+        ProtocolError: another magic or wire version, too many buffers or meta bytes, or a
+            payload above ``max_frame_bytes`` (checked before anything is allocated).
+    """
+    magic, version, kind, flags, req_id, nbufs, meta_len, total = HEADER.unpack(head)
+    if magic != WIRE_MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r} (not a fleetx.ps peer?)")
+    if version != WIRE_VERSION:
+        raise ProtocolError(f"wire version {version}, expected {WIRE_VERSION}")
+    if nbufs > MAX_BUFFERS or meta_len > MAX_META_BYTES:
+        raise ProtocolError(f"frame too large: {nbufs} buffers, {meta_len} meta bytes")
+    if total > max_frame_bytes:
+        raise ProtocolError(f"a frame announces {total} bytes, more than the limit of "
+                            f"{max_frame_bytes} (FLEETX_PS_MAX_FRAME_MB)")
+    return kind, flags, req_id, nbufs, meta_len, total
+
+
+def read_descriptors(rest, nbufs: int, total: int) -> list:
+    """``[(dtype, nbytes)]`` of the ``nbufs`` descriptors at the start of ``rest``.
+
+    Raises:
+        ProtocolError: an unknown dtype code, a size that is not a whole number of items, or
+            sizes that do not add up to the header's ``total``.
+    """
     descs = []
     for i in range(nbufs):
         code, nbytes = DESCRIPTOR.unpack_from(rest, i * DESCRIPTOR.size)

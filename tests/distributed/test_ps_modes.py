@@ -2,12 +2,14 @@
 
 * sync: 2 servers + 2 workers, each worker training on half of every batch, end with the same
   dense weights and rows as one torch process training on the union batch (1e-5), with Adam on
-  the dense table and Adagrad on the sparse table.
+  the dense table and Adagrad on the sparse table; over the TCP links and over the ZeroMQ
+  transport kept for comparison (``FLEETX_PS_TRANSPORT=zmq``, needs pyzmq).
 * async: gradients that do not depend on the weights, merged by the communicator, add up on
   the servers to exactly the sum of every worker's gradients.
 * a worker that stops early does not block the others: their sync steps go on with it
   excluded, and reads never wait.
 """
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,14 +25,16 @@ from fleetx.ps import DenseTableSpec, InitConfig, RuleConfig, SparseTableSpec, T
 from fleetx.ps.initializers import initial_rows  # noqa: E402
 
 INIT = InitConfig("uniform", low=-0.5, high=0.5, seed=11)
+TRANSPORTS = ["tcp", pytest.param("zmq", marks=pytest.mark.skipif(
+    importlib.util.find_spec("zmq") is None, reason="pyzmq not installed (fleetx[bench])"))]
 
 
-def cluster(tmp_path, mode, servers, workers, sparse_rule, dense_rule):
+def cluster(tmp_path, mode, servers, workers, sparse_rule, dense_rule, transport="tcp"):
     tables = Tables((SparseTableSpec("emb", DIM, sparse_rule, INIT),),
                     (DenseTableSpec("dense", NUMEL, dense_rule),))
     config = {"servers": [f"127.0.0.1:{p}" for p in free_ports(servers)],
               "num_workers": workers, "mode": mode, "heartbeat_interval": 0.5,
-              "dead_after": 5.0, "timeout": 30.0}
+              "dead_after": 5.0, "timeout": 30.0, "transport": transport}
     return write_cluster(tmp_path / "cluster.json", config, tables.to_json())
 
 
@@ -63,9 +67,10 @@ def torch_reference(steps):
     return emb.detach().numpy(), w.detach().numpy()
 
 
-def test_sync_equals_one_process_on_the_union_batch(tmp_path):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sync_equals_one_process_on_the_union_batch(tmp_path, transport):
     path = cluster(tmp_path, "sync", 2, 2, RuleConfig.from_param_group("Adagrad", {"lr": 0.1}),
-                   RuleConfig.from_param_group("Adam", {"lr": 0.05}))
+                   RuleConfig.from_param_group("Adam", {"lr": 0.05}), transport)
     out = run_job(path, 2, 2, "--steps", "5")
     emb, w = torch_reference(5)
     for o in out:

@@ -47,7 +47,15 @@ def test_the_secret_comes_from_the_value_or_the_file(tmp_path):
 def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_SECRET": "s", "FLEETX_PS_MAX_FRAME_MB": "8"})
     assert hs.settings_from_env() == {"secret": "s", "secret_file": None,
-                                      "max_frame_bytes": 8 << 20}
+                                      "max_frame_bytes": 8 << 20, "transport": "tcp"}
+
+
+def test_the_transport_variable_takes_only_known_transports(monkeypatch):
+    monkeypatch.setattr(env, "environ", {"FLEETX_PS_TRANSPORT": "zmq"})
+    assert hs.settings_from_env()["transport"] == "zmq"
+    monkeypatch.setattr(env, "environ", {"FLEETX_PS_TRANSPORT": "udp"})
+    with pytest.raises(env.EnvError, match="FLEETX_PS_TRANSPORT='udp': expected one of tcp, zmq"):
+        hs.settings_from_env()
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.9.9.9", True),
