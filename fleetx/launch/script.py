@@ -102,7 +102,9 @@ def _flush_open_files() -> None:
     first: collecting a file's wrapper and its raw file in one cycle may close the raw file
     before the wrapper's buffer is written."""
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # issubclass on the type: isinstance would read obj.__class__, and some objects warn
+        # when touched (torch.distributed.reduce_op)
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()
