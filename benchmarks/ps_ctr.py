@@ -7,6 +7,10 @@ The workload, its timing rule and the aggregation are in ``benchmarks/ps_common.
             to ``--result``);
 ``run``     one fleetx job: launches ``train`` under fleetrun and prints one JSON summary
             (``warm_samples_per_s`` = median over epochs 2.. of all samples / slowest worker);
+``transports`` fleetx's TCP transport against the ZeroMQ one kept for comparison
+            (``FLEETX_PS_TRANSPORT``, needs ``pip install 'fleetx[bench]'``): ``run`` jobs
+            alternating A B A B for ``--rounds`` rounds; prints every run, then per round and
+            in median the ratio of warm samples/s of each transport to the first one's;
 ``local``   the same model and data in one plain PyTorch process with one thread (no fleetx);
 ``compare`` the A/B campaign: for each case, fleetx's run and Paddle's
             (``$PADDLE_PS_PY anchors/paddle_ps_run.py``) alternate, each through
@@ -16,6 +20,7 @@ The workload, its timing rule and the aggregation are in ``benchmarks/ps_common.
 Usage:
     python examples/wide_and_deep/gen_criteo.py --lines 200000 --files 10 --out /tmp/fleetx_criteo
     python benchmarks/ps_ctr.py run --mode async --servers 1 --workers 2
+    python benchmarks/ps_ctr.py transports --transports tcp,zmq --rounds 5 --mode async
     python benchmarks/ps_ctr.py local
     PADDLE_PS_PY=/tmp/paddle26-venv/bin/python python benchmarks/ps_ctr.py compare --rounds 3
 """
@@ -39,6 +44,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 
 import ps_common as pc  # noqa: E402
+from fleetx.ps.api import TRANSPORTS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -109,9 +115,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 # -- run: one fleetx job ---------------------------------------------------------------------------
-def _launch(cmd: list, log_path: str, timeout: float, cwd: str) -> object:
+def _launch(cmd: list, log_path: str, timeout: float, cwd: str,
+            env: dict | None = None) -> object:
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                                 start_new_session=True)   # a hung job is killed as a whole
         try:
             return proc.wait(timeout=timeout)
@@ -122,6 +129,12 @@ def _launch(cmd: list, log_path: str, timeout: float, cwd: str) -> object:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
+    print(json.dumps(run_job(args, args.transport)), flush=True)
+
+
+def run_job(args: argparse.Namespace, transport: str) -> dict:
+    """One fleetx job over ``transport`` (``FLEETX_PS_TRANSPORT`` of every process): its
+    summary (logs kept and named when it failed)."""
     tmp = tempfile.mkdtemp(prefix="fleetx_ps_ctr_")
     result, log_dir = os.path.join(tmp, "result.jsonl"), os.path.join(tmp, "log")
     train = [str(HERE / "ps_ctr.py"), "train", "--mode", args.mode, "--k-steps",
@@ -132,12 +145,13 @@ def cmd_run(args: argparse.Namespace) -> None:
            "--worker_num", str(args.workers), "--log_dir", log_dir] + train
     os.makedirs(log_dir)
     t0 = time.perf_counter()
-    rc = _launch(cmd, os.path.join(tmp, "fleetrun.log"), args.timeout, str(ROOT))
+    rc = _launch(cmd, os.path.join(tmp, "fleetrun.log"), args.timeout, str(ROOT),
+                 dict(os.environ, FLEETX_PS_TRANSPORT=transport))
     rows = [json.loads(x) for x in open(result)] if os.path.exists(result) else []
     out = {"bench": f"fleetx_ps_{args.mode}" + ("_adam" if args.sparse_rule == "adam" else ""),
            "servers": args.servers, "workers": args.workers, "table": args.table,
            "sparse_rule": args.sparse_rule, "k_steps": args.k_steps if args.mode == "geo" else None,
-           "batch": args.batch, "rc": rc, "job_wall_s": round(time.perf_counter() - t0, 1),
+           "transport": transport, "batch": args.batch, "rc": rc, "job_wall_s": round(time.perf_counter() - t0, 1),
            "workers_reported": len(rows)}
     if len(rows) == args.workers:
         first = min(rows, key=lambda r: r["worker"])
@@ -146,7 +160,48 @@ def cmd_run(args: argparse.Namespace) -> None:
         shutil.rmtree(tmp)
     else:  # keep the logs of a failed job
         out["log_dir"] = tmp
-    print(json.dumps(out), flush=True)
+    return out
+
+
+# -- transports: the TCP links against ZeroMQ, alternating in one run ----------------------------
+def cmd_transports(args: argparse.Namespace) -> None:
+    names = args.transports.split(",")
+    if len(names) < 2 or len(set(names)) != len(names) or set(names) - set(TRANSPORTS):
+        raise SystemExit(f"--transports {args.transports}: name two or more different ones of "
+                         f"{', '.join(TRANSPORTS)}")
+    runs = []
+    for rnd in range(1, args.rounds + 1):
+        for name in names:  # A B A B: drift on the machine hits every transport alike
+            run = {"round": rnd, **run_job(args, name)}
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(run) + "\n")
+    _transport_summary(runs, names, args.rounds)
+
+
+def _transport_summary(runs: list, names: list, rounds: int) -> None:
+    """Per round: each transport's warm samples/s and its ratio to the first transport's; then
+    the medians (of the rates, and of the per-round ratios)."""
+    rate = {(r["round"], r["transport"]): r.get("warm_samples_per_s") for r in runs}
+    base = names[0]
+    print(f"\n{'round':>5} " + " ".join(f"{n + ' samples/s':>16}" for n in names) + " " +
+          " ".join(f"{n + '/' + base:>10}" for n in names[1:]))
+    ratios: dict = {n: [] for n in names[1:]}
+    for rnd in range(1, rounds + 1):
+        cells = [_cell(rate.get((rnd, n)), ".0f", 16) for n in names]
+        for n in names[1:]:
+            a, b = rate.get((rnd, n)), rate.get((rnd, base))
+            ratios[n].append(a / b if a and b else None)
+        print(f"{rnd:>5} " + " ".join(cells) + " " +
+              " ".join(_cell(ratios[n][-1], ".3f", 10) for n in names[1:]))
+    medians = [_median([r for r in runs if r["transport"] == n], "warm_samples_per_s")
+               for n in names]
+    kept = {n: [x for x in ratios[n] if x is not None] for n in ratios}
+    print(f"{'median':>5} " + " ".join(_cell(m, ".0f", 16) for m in medians) + " " +
+          " ".join(_cell(statistics.median(kept[n]) if kept[n] else None, ".3f", 10)
+                   for n in names[1:]))
 
 
 # -- local: plain PyTorch, one process, one thread -------------------------------------------------
@@ -363,7 +418,7 @@ def add_compare_parser(sub) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    for name in ("train", "run", "local"):
+    for name in ("train", "run", "transports", "local"):
         p = sub.add_parser(name)
         p.add_argument("--data", default=DEFAULT_DATA, help="folder of Criteo-format part-* files")
         p.add_argument("--epochs", type=int, default=3)
@@ -384,12 +439,20 @@ def main() -> None:
             p.add_argument("--servers", type=int, default=1)
             p.add_argument("--workers", type=int, default=2)
             p.add_argument("--timeout", type=float, default=600)
+        if name == "run":
+            p.add_argument("--transport", choices=TRANSPORTS, default="tcp",
+                           help="FLEETX_PS_TRANSPORT of every process")
+        elif name == "transports":
+            p.add_argument("--transports", default="tcp,zmq",
+                           help=f"comma-separated, the first is the reference: {TRANSPORTS}")
+            p.add_argument("--rounds", type=int, default=5)
+            p.add_argument("--out", help="also append every run as a JSON line to this file")
     add_compare_parser(sub)
     p = sub.add_parser("profile", help="summarise a py-spy raw recording of a train job")
     p.add_argument("raw", help="py-spy record --subprocesses --threads --idle -f raw output")
     p.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
-    {"train": cmd_train, "run": cmd_run, "local": cmd_local,
+    {"train": cmd_train, "run": cmd_run, "transports": cmd_transports, "local": cmd_local,
      "compare": cmd_compare, "profile": cmd_profile}[args.command](args)
 
 

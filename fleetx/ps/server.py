@@ -152,8 +152,9 @@ class PSServer:
         t.start()
         self._threads.append(t)
         self._acceptor.start()
-        log.info("%s: listening on %s, mode %s, %d workers expected", self.name, self.endpoint,
-                 self.config.mode.value, self.config.num_workers)
+        log.info("%s: listening on %s (%s), mode %s, %d workers expected", self.name,
+                 self.endpoint, self.config.transport, self.config.mode.value,
+                 self.config.num_workers)
         return self
 
     def run(self) -> None:
