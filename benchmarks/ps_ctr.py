@@ -8,7 +8,7 @@ The workload, its timing rule and the aggregation are in ``benchmarks/ps_common.
 ``run``     one fleetx job: launches ``train`` under fleetrun and prints one JSON summary
             (``warm_samples_per_s`` = median over epochs 2.. of all samples / slowest worker);
 ``transports`` fleetx's TCP transport against the ZeroMQ one kept for comparison
-            (``FLEETX_PS_TRANSPORT``, needs ``pip install 'fleetx[bench]'``): ``run`` jobs
+            (``FLEETX_PS_TRANSPORT``, needs pyzmq: ``pip install -e '.[bench]'``): ``run`` jobs
             alternating A B A B for ``--rounds`` rounds; prints every run, then per round and
             in median the ratio of warm samples/s of each transport to the first one's;
 ``local``   the same model and data in one plain PyTorch process with one thread (no fleetx);

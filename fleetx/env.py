@@ -143,7 +143,7 @@ _VARS = [
        "sends or accepts; a peer announcing more is disconnected before anything is allocated "
        "(default 1024)", "user", "ps runtime", "none"),
     _v("FLEETX_PS_TRANSPORT", "parameter-server transport: tcp (default: fleetx's own "
-       "authenticated links) or zmq (pyzmq, `pip install fleetx[bench]`; no authentication, so "
+       "authenticated links) or zmq (pyzmq, the bench extra; no authentication, so "
        "servers and workers refuse any non-loopback endpoint: it exists to measure the two "
        "against each other); any other value is an error naming the choices", "user",
        "ps runtime", "none"),

@@ -57,7 +57,7 @@ from fleetx.ps.transport import Message, encode_frame, parse_header, read_descri
 
 try:
     import zmq
-except ImportError:  # optional: pip install 'fleetx[bench]'
+except ImportError:  # optional: the bench extra (pip install -e '.[bench]')
     zmq = None
 
 __all__ = ["ZmqLink", "Listener", "connect_link"]
@@ -74,7 +74,7 @@ def _check_usable(host: str, who: str) -> None:
     """Raises: ConfigError: pyzmq is missing, or ``host`` is not a loopback address."""
     if zmq is None:
         raise ConfigError(f"{who}: FLEETX_PS_TRANSPORT=zmq needs pyzmq (pip install "
-                          "'fleetx[bench]'); or use FLEETX_PS_TRANSPORT=tcp")
+                          "pyzmq, or the bench extra); or use FLEETX_PS_TRANSPORT=tcp")
     if not is_loopback(host):
         raise ConfigError(f"{who}: FLEETX_PS_TRANSPORT=zmq authenticates no one and is for "
                           f"loopback comparisons only; {host} is not a loopback address (use "

@@ -26,7 +26,7 @@ from fleetx.ps.initializers import initial_rows  # noqa: E402
 
 INIT = InitConfig("uniform", low=-0.5, high=0.5, seed=11)
 TRANSPORTS = ["tcp", pytest.param("zmq", marks=pytest.mark.skipif(
-    importlib.util.find_spec("zmq") is None, reason="pyzmq not installed (fleetx[bench])"))]
+    importlib.util.find_spec("zmq") is None, reason="pyzmq not installed (the bench extra)"))]
 
 
 def cluster(tmp_path, mode, servers, workers, sparse_rule, dense_rule, transport="tcp"):
