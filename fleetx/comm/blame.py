@@ -99,7 +99,8 @@ def _op_of(call_number: int, failed: Call, calls: list[Call]) -> str:
     return known[-1] if known else "collective call"
 
 
-def _late_peers(failed: Call, calls: list[Call], members: list[int], records: dict, rank: int,
+def _late_peers(failed: Call, calls: list[Call], members: list[int],
+                records: dict[int, Optional[Record]], rank: int,
                 waited: float, interval: float, now: float) -> dict[int, str]:
     late = {}
     for peer in members:
@@ -175,10 +176,8 @@ class Watch:
         self._previous_hook = None
 
     def report(self, blame: Blame) -> None:
-        """Record ``blame`` as this rank's finding and leave it for fleetrun (under fleetrun).
-        The first finding stands: errors that follow it are its consequences."""
-        if self.reported is not None:
-            return
+        """Record ``blame`` as this rank's latest finding and leave it for fleetrun (under
+        fleetrun; the report of the error that ends the process is the one read)."""
         self.reported = blame
         if self.log_dir:
             try:
@@ -191,15 +190,19 @@ class Watch:
         Never raises: explaining must not hide the error it explains."""
         if hasattr(exc, "_fleetx_blame"):
             return exc._fleetx_blame
-        if self.reported is not None:  # e.g. a check that failed inside DDP's comm hook
-            return self.reported
+        reported = self.reported
+        if reported is not None and reported.message in str(exc):
+            return reported  # the same finding come back as another error (DDP's comm hook)
         blame = None
         if is_collective_failure(exc):
             try:
                 blame = diagnose(exc, self.store, self.rank, self.timeout, self.interval)
             except Exception as problem:  # noqa: BLE001 - see the docstring
                 exc.add_note(f"fleetx: could not tell which rank is at fault: {problem!r}")
-        exc._fleetx_blame = blame
+        try:
+            exc._fleetx_blame = blame
+        except AttributeError:  # an exception type without a __dict__: explained every time
+            pass
         if blame is not None:
             exc.add_note(f"fleetx: {blame.message}")
             self.report(blame)
