@@ -108,11 +108,12 @@ _VARS = [
     _v("FLEETX_TIMEOUT", "seconds a collective or PS request may wait for a peer, and fleetrun "
        "for the other nodes at the rendezvous (default 300)", "user",
        "fleet, ps, fleetrun, launch bootstrap", "TORCH_NCCL_ASYNC_ERROR_HANDLING + init timeout"),
-    _v("FLEETX_DEBUG_COLLECTIVES", "1: before every collective, check that all ranks of the group "
-       "make the same call (operation, shapes, dtypes) and arrive; a divergence or a missing rank "
-       "is an error naming the ranks and the call (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, for "
-       "the groups fleet creates; a barrier and an all-gather per collective). Default 0",
-       "user", "comm", "TORCH_DISTRIBUTED_DEBUG=DETAIL"),
+    _v("FLEETX_DEBUG_COLLECTIVES", "1: before each collective fleetx makes (DDP's gradient "
+       "all-reduce, fleet.util, barrier_worker), every rank of the group checks through the "
+       "rendezvous store that all make the same call (operation, shapes, dtypes): a divergence "
+       "is an error on every rank naming the rank and both calls, a rank that does not come is "
+       "named after FLEETX_TIMEOUT; one store write and read per collective. Default 0",
+       "user", "comm", "TORCH_DISTRIBUTED_DEBUG=DETAIL (not for DDP over gloo in torch 2.13)"),
     _v("FLEETX_LOG_INTERVAL", "seconds between the progress lines of parameter-server workers "
        "(samples/s, loss) and servers (rows, memory, requests/s); 0 turns them off (default 10)",
        "user", "ps runtime", "none"),
