@@ -8,6 +8,7 @@ a few minutes and run in the slow stage.
 """
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -109,6 +110,20 @@ def test_twenty_runs_all_exit_zero(tmp_path, variant):
 _PLAIN_DDP = SCRIPTS / "plain_ddp_exit.py"
 
 
+def _run_group(cmd, cwd, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own; on a timeout kill the whole session, since
+    torchrun's workers outlive a killed torchrun."""
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.mark.slow
 def test_plain_ddp_under_torchrun_with_fleetx_run_exits_zero_twenty_times(tmp_path):
     """A plain DDP script without fleetx, which aborts at exit under bare torchrun now and
@@ -116,9 +131,8 @@ def test_plain_ddp_under_torchrun_with_fleetx_run_exits_zero_twenty_times(tmp_pa
     for i in range(20):
         run_dir = tmp_path / f"run{i}"
         run_dir.mkdir()
-        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                              "2", "--standalone", "-m", "fleetx.run", str(_PLAIN_DDP)],
-                             cwd=run_dir, capture_output=True, text=True, timeout=180)
+        res = _run_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+                          "2", "--standalone", "-m", "fleetx.run", str(_PLAIN_DDP)], run_dir)
         assert res.returncode == 0 and _ABORT not in res.stderr, (
             f"run {i}: exit {res.returncode}\n{res.stderr[-3000:]}")
         assert (run_dir / "model.pt").exists()
