@@ -314,9 +314,10 @@ class PSServer:
 
     def _on_hello(self, link: Link, msg: Message) -> Message:
         m = msg.meta
-        rank = int(m.get("rank", -1))
-        if not 0 <= rank < self.config.num_workers:
-            raise ConfigError(f"worker rank {rank} outside [0, {self.config.num_workers})")
+        rank = m.get("rank")
+        if type(rank) is not int or not 0 <= rank < self.config.num_workers:
+            raise ConfigError(f"HELLO: worker rank {rank!r} is not an integer in "
+                              f"[0, {self.config.num_workers})")
         if m.get("fingerprint") != self.tables.fingerprint():
             raise ConfigError(f"worker {rank} has another table layout than this server; "
                               "build the tables from the same model and optimizer everywhere")

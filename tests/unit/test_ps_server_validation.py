@@ -152,3 +152,13 @@ def test_refused_requests_are_counted_and_logged_at_a_limited_rate(cluster, capl
         assert len(lines) == 1, lines
     assert "refused PULL from worker 0" in lines[0] and "unknown sparse table 'nope'" in lines[0]
     c.pull({"emb": np.arange(3)}).wait(10)  # the connection is still served
+
+
+@pytest.mark.parametrize("rank", ["0", 1.5, None, True, 7])
+def test_hello_with_a_rank_that_is_not_a_valid_integer_is_refused_naming_it(cluster, rank):
+    server, (c0,) = cluster(workers=1)
+    reply = send(c0, Kind.HELLO, {"rank": rank, "pid": 1, "host": "h",
+                                  "fingerprint": TABLES.fingerprint(), "mode": "async"})
+    with pytest.raises(ConfigError, match=rf"HELLO: worker rank {re.escape(repr(rank))} is not "
+                                          r"an integer in \[0, 1\)"):
+        reply.wait(10)
