@@ -124,6 +124,19 @@ def _run_group(cmd, cwd, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def _torchrun_job(run_dir: Path) -> None:
+    res = _run_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                      "--standalone", "-m", "fleetx.run", str(_PLAIN_DDP)], run_dir)
+    assert res.returncode == 0 and _ABORT not in res.stderr, (
+        f"{run_dir.name}: exit {res.returncode}\n{res.stderr[-3000:]}")
+    assert (run_dir / "model.pt").exists()
+
+
+def test_plain_ddp_under_torchrun_with_fleetx_run_exits_zero(tmp_path):
+    """The README's recipe for other launchers: ``torchrun ... -m fleetx.run script.py``."""
+    _torchrun_job(tmp_path)
+
+
 @pytest.mark.slow
 def test_plain_ddp_under_torchrun_with_fleetx_run_exits_zero_twenty_times(tmp_path):
     """A plain DDP script without fleetx, which aborts at exit under bare torchrun now and
@@ -131,8 +144,4 @@ def test_plain_ddp_under_torchrun_with_fleetx_run_exits_zero_twenty_times(tmp_pa
     for i in range(20):
         run_dir = tmp_path / f"run{i}"
         run_dir.mkdir()
-        res = _run_group([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
-                          "2", "--standalone", "-m", "fleetx.run", str(_PLAIN_DDP)], run_dir)
-        assert res.returncode == 0 and _ABORT not in res.stderr, (
-            f"run {i}: exit {res.returncode}\n{res.stderr[-3000:]}")
-        assert (run_dir / "model.pt").exists()
+        _torchrun_job(run_dir)
