@@ -59,6 +59,8 @@ log = logging.getLogger("fleetx.ps")
 #: requests of one connection waiting for the handler at once; more wait in that connection's
 #: socket, so a flood from one peer delays the others' requests by at most this many
 _MAX_INFLIGHT = 16
+#: how often the handler looks for workers stuck while others wait for them
+_STALL_CHECK_S = 0.25
 
 
 class _Lost:
@@ -239,6 +241,7 @@ class PSServer:
 
     def _serve(self) -> None:
         next_log = time.monotonic() + self.config.log_interval
+        next_stall_check = 0.0
         last_requests, last_t = 0, time.monotonic()
         while not self._done.is_set():
             try:
@@ -253,7 +256,9 @@ class PSServer:
                 link.handled()  # the link may hand over its next request
             now = time.monotonic()
             self._check_registration(now)
-            self._check_stalls(now)
+            if now >= next_stall_check:  # timeouts are seconds long: not on every request
+                self._check_stalls(now)
+                next_stall_check = now + _STALL_CHECK_S
             if now >= next_log:
                 rate = (self._requests - last_requests) / (now - last_t)
                 log.info("%s: %s", self.name, self._stats_line(rate))
@@ -274,6 +279,8 @@ class PSServer:
             if worker is not None and worker.link is link:
                 worker.last_request = time.monotonic()
             reply = handler(link, msg)
+            if worker is not None and worker.link is link:  # a long SAVE/INIT is work too
+                worker.last_request = time.monotonic()
         except (PSError, CheckpointError) as e:
             self._reject(link, msg, e)
             reply = msg.error_reply(e)

@@ -233,6 +233,8 @@ def fuzz_unregistered(cfg, rng, n: int, errors: list) -> None:
             kind, flags, meta = recv_frame(sock)
             assert flags & FLAG_ERROR, meta  # nothing is served before HELLO
             errors.append(meta["message"])
+        except socket.timeout:  # a frame that must be answered or closed was neither
+            raise AssertionError("the server neither answered nor closed within 10 s") from None
         except (EOFError, OSError):
             sock.close()
             sock = None

@@ -66,6 +66,26 @@ def test_threads_atexit_and_unclosed_files_complete_before_the_exit(tmp_path):
     assert (tmp_path / "thread.txt").read_text() == "thread finished"
 
 
+def test_the_interpreter_teardown_never_starts(tmp_path):
+    """The fix itself, deterministically: the teardown in which torch's gloo threads abort is
+    skipped. An object kept in sys.modules is finalised only by that teardown, so its __del__
+    runs under plain python and never under fleetx.run."""
+    body = """
+        import sys
+        class Witness:
+            def __del__(self):
+                print("teardown ran", flush=True)
+        sys.modules["witness"] = Witness()
+        """
+    script = tmp_path / "witness.py"
+    script.write_text(textwrap.dedent(body))
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=60)
+    assert "teardown ran" in plain.stdout  # the control: plain python tears down
+    res = run_module(tmp_path, body)
+    assert res.returncode == 0 and "teardown ran" not in res.stdout
+
+
 def test_ctrl_c_ends_the_process_by_sigint(tmp_path):
     res = run_module(tmp_path, "raise KeyboardInterrupt\n")
     assert res.returncode == -signal.SIGINT

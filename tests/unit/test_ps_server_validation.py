@@ -148,8 +148,8 @@ def test_refused_requests_are_counted_and_logged_at_a_limited_rate(cluster, capl
             send(c, Kind.PULL, {"sparse": ["nope"]}, [np.arange(3, dtype=I64)]).wait(10)
     assert server.stats()["rejected_by_kind"] == {"PULL": 40}
     lines = [r.getMessage() for r in caplog.records if "refused PULL" in r.getMessage()]
-    if time.monotonic() - t0 < 9:  # all within one warning interval
-        assert len(lines) == 1, lines
+    elapsed = time.monotonic() - t0  # one warning per 10 s interval (one in all when quick)
+    assert 1 <= len(lines) <= 1 + int(elapsed // 10), (elapsed, lines)
     assert "refused PULL from worker 0" in lines[0] and "unknown sparse table 'nope'" in lines[0]
     c.pull({"emb": np.arange(3)}).wait(10)  # the connection is still served
 
