@@ -198,13 +198,13 @@ class Watch:
             try:
                 blame = diagnose(exc, self.store, self.rank, self.timeout, self.interval)
             except Exception as problem:  # noqa: BLE001 - see the docstring
-                exc.add_note(f"fleetx: could not tell which rank is at fault: {problem!r}")
+                _note(exc, f"fleetx: could not tell which rank is at fault: {problem!r}")
         try:
             exc._fleetx_blame = blame
         except AttributeError:  # an exception type without a __dict__: explained every time
             pass
         if blame is not None:
-            exc.add_note(f"fleetx: {blame.message}")
+            _note(exc, f"fleetx: {blame.message}")
             self.report(blame)
         return blame
 
@@ -215,3 +215,12 @@ class Watch:
         if cause is None:
             self.explain(exc)
         (self._previous_hook or sys.__excepthook__)(kind, exc, tb)
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Attach ``text`` to ``exc`` (printed under its traceback); Python 3.10 has no notes, so
+    there it goes to stderr at once."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+    else:  # pragma: no cover - Python 3.10
+        print(text, file=sys.stderr, flush=True)

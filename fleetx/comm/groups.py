@@ -158,10 +158,11 @@ class Communicator:
 
     def _watch(self, store: "dist.Store") -> None:
         interval = min(_REPORT_S, self.timeout / 5)
+        checked = debug.requested()  # a malformed value fails before any thread starts
         self.watch = Watch(store, self.rank, self.timeout, env.get("FLEETX_LOG_DIR"), interval)
         self.watch.start()
         self.checker = None
-        if debug.requested():
+        if checked:
             self.checker = debug.Checker(store, self.rank, self.timeout, self.watch.report,
                                          interval)
             self.checker.start()

@@ -18,19 +18,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, SignalException
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-__all__ = ["describe_exit", "restart_message", "run_agent"]
+from fleetx.launch import logs
+
+__all__ = ["restart_message", "run_agent"]
 
 _MONITOR_SECONDS = 0.1  # how often the agent polls its processes (WorkerSpec's default varies)
-
-
-def describe_exit(code: int) -> str:
-    """``exited with code 3`` or ``was killed by signal SIGKILL``."""
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def restart_message(failures: dict, restart: int, max_restarts: int,
@@ -45,7 +37,7 @@ def restart_message(failures: dict, restart: int, max_restarts: int,
     stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
     failed = sorted(set(failures) - stopped) or sorted(failures)
     causes = "; ".join(f"rank {rank} (local rank {failures[rank].local_rank}, pid "
-                       f"{failures[rank].pid}) {describe_exit(failures[rank].exitcode)} "
+                       f"{failures[rank].pid}) {logs.describe_exit(failures[rank].exitcode)} "
                        f"(log: {log_of(rank)})" for rank in failed)
     return (f"restart {restart} of {max_restarts}: {causes or 'the worker group is unhealthy'}; "
             f"restarting the worker group")

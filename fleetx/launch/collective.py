@@ -293,8 +293,7 @@ def _report_failure(p: CollectivePlan, failures: dict) -> None:
     for rank in failed:
         failure = failures[rank]
         code = failure.exitcode
-        how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
-               else f"exited with code {code}")
+        how = logs.describe_exit(code)
         lines += _tail(p, rank, f"rank {rank} (local rank {failure.local_rank}, pid "
                                 f"{failure.pid}) {how}")
     for rank in (r for r in culprits if r not in failed):

@@ -7,6 +7,7 @@ follows rank 0's file and copies it to its own stdout as it grows.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import threading
 from collections import deque
@@ -14,7 +15,7 @@ from typing import BinaryIO, Optional
 
 from fleetx.launch.api import LaunchError
 
-__all__ = ["prepare_dir", "worker_log", "endpoints_log", "write_endpoints", "last_lines",
+__all__ = ["describe_exit", "prepare_dir", "worker_log", "endpoints_log", "write_endpoints", "last_lines",
            "shown_above", "LogFollower"]
 
 
@@ -134,3 +135,13 @@ class LogFollower:
         while chunk := f.read(1 << 16):
             self._out.write(chunk)
         self._out.flush()
+
+
+def describe_exit(code: int) -> str:
+    """``exited with code 3`` or ``was killed by signal SIGKILL``."""
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -267,8 +267,7 @@ def _report_failure(p: PSPlan, failed: list, codes: dict) -> None:
     lines = [f"ABORT!!! Out of all {total}, {names} failed. Please check its log."]
     for proc in failed:
         code = codes[proc]
-        how = (f"was killed by signal {signal.Signals(-code).name}" if code < 0
-               else f"exited with code {code}")
+        how = logs.describe_exit(code)
         path = proc.log_path(p.log_dir)
         if proc.role == "worker" and proc.index == 0:  # copied to stdout as it grew: not twice
             lines += logs.shown_above(f"{proc.name} {how}", path)

@@ -5,7 +5,8 @@ import signal
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from fleetx.launch.agent import agent_options, describe_exit, restart_message
+from fleetx.launch.agent import agent_options, restart_message
+from fleetx.launch.logs import describe_exit
 
 
 def failure(local_rank, pid, exitcode):
