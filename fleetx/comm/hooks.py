@@ -26,8 +26,8 @@ and a ring-model estimate of the bytes it put on the wire).
 A plain DDP hook (``(state, hook)`` with DDP's signature) is still accepted when it is the only
 entry; it cannot be mixed with stages, since it does its own communication.
 
-With ``FLEETX_DEBUG_COLLECTIVES=1`` the flat topology checks each collective first
-(:func:`fleetx.comm.api.check_call`), and a model with no stages gets the plain pipeline (divide,
+With ``FLEETX_DEBUG_COLLECTIVES=1`` every bucket's all-reduce (whatever the topology) and the
+flat topology's all-gathers are checked first (:func:`fleetx.comm.api.check_call`), and a model with no stages gets the plain pipeline (divide,
 all-reduce: DDP's own arithmetic) so that its gradient all-reduces are checked too.
 """
 from __future__ import annotations
@@ -137,7 +137,6 @@ class FlatTopology(Topology):
 
     def all_reduce(self, tensor: torch.Tensor, channel: int, traffic: Traffic) -> Future:
         group = self.groups[channel]
-        check_call("all_reduce", group, [tensor])
         traffic.record("all_reduce", tensor, dist.get_world_size(group), channel)
         work = dist.all_reduce(tensor, group=group, async_op=True)
         return work.get_future().then(lambda _: tensor)
@@ -245,6 +244,8 @@ class Pipeline:
 
     def _run_from(self, depth: int, bucket: Any, tensor: torch.Tensor, channel: int) -> Future:
         if depth == len(self.codecs):
+            # checked here, not in one topology: a hierarchical all-reduce is checked too
+            check_call("all_reduce", self.flat.groups[channel], [tensor])
             return self.topology.all_reduce(tensor, channel, self.traffic)
         return self.codecs[depth].run(bucket, tensor, Link(self, depth, bucket, channel))
 
