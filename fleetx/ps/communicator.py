@@ -104,8 +104,10 @@ class Communicator(abc.ABC):
         saved per sparse table.
 
         Raises:
-            fleetx.checkpoint.CheckpointError: a file could not be written, or a table holds
-                NaN or inf (nothing is committed).
+            fleetx.checkpoint.CheckpointError: this worker's files or the commit could not be
+                written (nothing is committed).
+            fleetx.ps.RemoteError: a server refused (remote type ``CheckpointError``: a table
+                holds NaN or inf, or its files could not be written; nothing is committed).
         """
         self.flush()
         writer = SaveWriter(dirname)

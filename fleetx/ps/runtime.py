@@ -234,8 +234,11 @@ class PSRuntime:
         Raises:
             StateError: ``mode`` other than 0.
             ConfigError: ``dirname`` is outside the servers' save root.
-            fleetx.checkpoint.CheckpointError: a table holds NaN or inf, or a file cannot be
+            fleetx.checkpoint.CheckpointError: a file of this worker or the commit cannot be
                 written (the previous checkpoint is kept).
+            fleetx.ps.RemoteError: a server refused (remote type ``CheckpointError``: a table
+                holds NaN or inf, or its files cannot be written; the previous checkpoint is
+                kept).
         """
         if mode != 0:
             raise StateError(f"save_persistables(mode={mode}): only full saves (mode 0) are "
