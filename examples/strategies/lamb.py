@@ -1,5 +1,5 @@
 """LAMB on Fashion-MNIST: the Adam optimizer becomes LAMB, Adam's update rescaled per layer by
-``||w|| / ||update||``; biases get no weight decay.
+``||w|| / ||update||``; biases get no weight decay and, as in Paddle, no rescaling.
 
     fleetrun --nproc_per_node 2 examples/strategies/lamb.py
 """

@@ -5,11 +5,14 @@ For each parameter tensor ``w`` with gradient ``g`` at step ``t`` (Paddle's ``la
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
     r = (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps) + weight_decay * w
-    trust = ||w|| / ||r||   if ||w|| > 0 and ||r|| > 0,   else 1
+    trust = ||w|| / ||r||   if (weight_decay > 0 or always_adapt) and ||w|| > 0 and ||r|| > 0
+          = 1               otherwise
     w = w - lr * trust * r
 
-A group with ``lamb_weight_decay = 0`` (``exclude_from_weight_decay``) is not decayed but is still
-scaled by its trust ratio.
+A group with ``lamb_weight_decay = 0`` (``exclude_from_weight_decay``) is therefore plain
+bias-corrected Adam (``w -= lr * r``): neither decayed nor scaled by a trust ratio, as in Paddle's
+``lamb`` kernel (``paddle/phi/kernels/impl/lamb_kernel_impl.h``, whose norms stay 0 unless
+``weight_decay > 0 || always_adapt``). ``always_adapt=True`` scales every group.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class Lamb(GroupUpdateOptimizer):
         betas: decay rates of the first and second moments.
         eps: added to the square root of the second moment.
         lamb_weight_decay: decoupled weight decay inside the update.
+        always_adapt: apply the trust ratio also where ``lamb_weight_decay`` is 0.
 
     Raises:
         ValueError: an option out of range.
@@ -43,14 +47,15 @@ class Lamb(GroupUpdateOptimizer):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 lamb_weight_decay: float = 0.01) -> None:
+                 lamb_weight_decay: float = 0.01, always_adapt: bool = False) -> None:
         if lr < 0 or eps < 0 or lamb_weight_decay < 0:
             raise ValueError(f"Lamb lr, eps and lamb_weight_decay must be >= 0, got {lr}, {eps}, "
                              f"{lamb_weight_decay}")
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"Lamb betas must be in [0, 1), got {betas}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      lamb_weight_decay=lamb_weight_decay))
+                                      lamb_weight_decay=lamb_weight_decay,
+                                      always_adapt=bool(always_adapt)))
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -80,6 +85,10 @@ class Lamb(GroupUpdateOptimizer):
         wd = group["lamb_weight_decay"]
         if wd:
             torch._foreach_add_(r, params, alpha=wd)
+        if not (wd > 0 or group.get("always_adapt", False)):
+            torch._foreach_mul_(r, -group["lr"])
+            torch._foreach_add_(params, r)
+            return
         w_norms = torch._foreach_norm(params)
         r_norms = torch._foreach_norm(r)
         steps = [torch.where((wn > 0) & (rn > 0), -group["lr"] * wn / rn,

@@ -3,19 +3,21 @@
 For very large batches with Adam: the Adam update of each layer is rescaled by the ratio of the
 layer's weight norm to the update's norm (You et al., "Large Batch Optimization for Deep
 Learning: Training BERT in 76 minutes"). It replaces an Adam optimizer. Parameters named in
-``exclude_from_weight_decay`` get no weight decay.
+``exclude_from_weight_decay`` get no weight decay and, as in Paddle, no trust ratio.
 
 How it maps onto PyTorch: the user's ``torch.optim.Adam`` or ``AdamW`` is replaced by
 :class:`fleetx.optim.Lamb` over the same parameter groups, with its learning rate, betas and eps.
 Parameters whose ``named_parameters()`` name (in the model given to ``distributed_model``)
-contains an entry of ``exclude_from_weight_decay`` go into groups of their own with
-``lamb_weight_decay = 0`` (still scaled by their trust ratio).
+ends with an entry of ``exclude_from_weight_decay`` (Paddle's LAMB rule: a suffix, not a
+substring as for LARS) go into groups of their own with ``lamb_weight_decay = 0``, which Paddle's
+kernel updates with plain bias-corrected Adam (``w -= lr * r``, no trust ratio) unless
+``always_adapt`` is set.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetx.optim import Lamb, check_exclusions, split_groups
+from fleetx.optim import Lamb, check_exclusions, ends_with, split_groups
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
 
@@ -35,7 +37,11 @@ class LambConfig(Config):
 
     lamb_weight_decay: float = option(0.01, "Weight decay inside the LAMB update.", ge=0)
     exclude_from_weight_decay: list[str] = option(
-        [], "Parameters whose name contains one of these get no weight decay.")
+        [], "Parameters whose name ends with one of these get no weight decay (and, as in "
+            "Paddle, no trust ratio unless always_adapt).")
+    always_adapt: bool = option(
+        False, "Apply the trust ratio to every parameter, also those without weight decay "
+               "(Paddle's lamb kernel attribute; Fleet's meta-optimizer leaves it False).")
 
 
 @register
@@ -63,7 +69,8 @@ class LambStrategy(Strategy):
                 return Verdict.fail(f"needs torch.optim.{opt.class_name} with "
                                     + ", ".join(problems))
         cfg = self.strategy.typed_config("lamb")
-        reason = check_exclusions(cfg.exclude_from_weight_decay, plan_input.model.param_names)
+        reason = check_exclusions(cfg.exclude_from_weight_decay, plan_input.model.param_names,
+                                  ends_with)
         if reason:
             return Verdict.fail(reason)
         return Verdict.ok(f"Adam replaced by LAMB (lamb_weight_decay={cfg.lamb_weight_decay:g})")
@@ -74,9 +81,10 @@ class LambStrategy(Strategy):
         cfg = self.strategy.typed_config("lamb")
         inner = ctx.optimizer
         groups = split_groups(inner, ctx.model, cfg.exclude_from_weight_decay,
-                              "lamb_weight_decay", cfg.lamb_weight_decay)
+                              "lamb_weight_decay", cfg.lamb_weight_decay, ends_with)
         keep = ("params", "lr", "initial_lr", "betas", "eps", "lamb_weight_decay")
         ctx.optimizer = Lamb(
             [{k: v for k, v in g.items() if k in keep} for g in groups],
             lr=float(inner.defaults["lr"]), betas=tuple(inner.defaults["betas"]),
-            eps=float(inner.defaults["eps"]), lamb_weight_decay=cfg.lamb_weight_decay)
+            eps=float(inner.defaults["eps"]), lamb_weight_decay=cfg.lamb_weight_decay,
+            always_adapt=cfg.always_adapt)

@@ -7,16 +7,21 @@ a little accuracy for far less communication and works with SGD and Momentum.
 
 How it maps onto PyTorch. Steps are counted from 1, as in Paddle:
 
-* steps ``1 .. begin_step`` synchronise through DDP's gradient all-reduce. For SGD and Momentum
-  the update is linear in the gradient, so averaging gradients and averaging the parameters after
-  the step (what Paddle does) give the same parameters; DDP's version overlaps with backward.
+* steps ``1 .. begin_step`` synchronise through DDP's gradient all-reduce, so every rank holds
+  one shared velocity. Paddle averages the parameters after each step instead and keeps a velocity
+  per rank. For SGD and Momentum the update is linear in the gradient, so the *parameters* are the
+  same either way (the shared velocity is the mean of Paddle's per-rank ones); the velocities are
+  not, and the local steps after ``begin_step`` start from different momentum, so the two differ
+  from then on. fleetx keeps the gradient average on purpose: each rank enters the local phase
+  with the velocity of data-parallel training, and DDP's all-reduce overlaps with backward (see
+  ``docs/differences.md``).
 * after ``begin_step`` the model runs under ``no_sync`` (no gradient communication) and, after
   steps ``begin_step + k_steps``, ``begin_step + 2 * k_steps``..., the parameters are averaged
   with ``torch.distributed.algorithms.model_averaging.utils.average_parameters`` (one flat
   all-reduce). Every parameter is averaged: PyTorch's ``PeriodicModelAverager`` skips parameters
   whose ``.grad`` is None at that moment, which would leave ranks apart.
 * ``k_steps = 1`` is plain data parallel (averaging every step costs no less than DDP's gradient
-  all-reduce, and gives the same result), so nothing changes.
+  all-reduce, and gives the same parameters), so nothing changes.
 """
 from __future__ import annotations
 

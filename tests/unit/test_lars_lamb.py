@@ -120,7 +120,8 @@ def test_lars_optimizer_state_round_trips():
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
      {"exclude_from_weight_decay": ["batch_norm", ".b_0"]},
      r"lars: exclude_from_weight_decay entries \['batch_norm', '.b_0'\] match no parameter name "
-     r"\(names look like \['fc.weight', 'fc.bias', 'norm.weight'\]\)"),
+     r"\(an entry matches a name that contains it; names look like "
+     r"\['fc.weight', 'fc.bias', 'norm.weight'\]\)"),
 ])
 def test_lars_preconditions(make_opt, configs, message):
     with pytest.raises(StrategyError, match=message):
@@ -132,20 +133,22 @@ B1, B2, ADAM_EPS, LAMB_WD, LAMB_LR = 0.8, 0.95, 1e-6, 0.02, 0.05
 
 
 def lamb_reference(w, g, m, v, t, wd):
-    """Paddle's lamb rule / the LAMB paper's update for one tensor, element by element."""
+    """Paddle's lamb rule for one tensor, element by element: no trust ratio without weight
+    decay (paddle/phi/kernels/impl/lamb_kernel_impl.h)."""
     m = [B1 * mi + (1 - B1) * gi for mi, gi in zip(m, g.flatten().tolist())]
     v = [B2 * vi + (1 - B2) * gi * gi for vi, gi in zip(v, g.flatten().tolist())]
     r = [(mi / (1 - B1 ** t)) / (math.sqrt(vi / (1 - B2 ** t)) + ADAM_EPS) + wd * wi
          for mi, vi, wi in zip(m, v, w.flatten().tolist())]
     r_t = torch.tensor(r, dtype=torch.float64).view_as(w)
     wn, rn = norm(w), norm(r_t)
-    trust = wn / rn if wn > 0 and rn > 0 else 1.0
+    trust = wn / rn if wd > 0 and wn > 0 and rn > 0 else 1.0
     return w - LAMB_LR * trust * r_t, m, v
 
 
 @pytest.mark.parametrize("adam", [torch.optim.Adam, torch.optim.AdamW])
 def test_lamb_matches_the_formula_with_exclusions(adam):
-    configs = {"lamb_weight_decay": LAMB_WD, "exclude_from_weight_decay": ["norm"]}
+    # Suffixes, as Paddle's LAMB matches them: every bias and the norm's weight.
+    configs = {"lamb_weight_decay": LAMB_WD, "exclude_from_weight_decay": [".bias", "norm.weight"]}
     opt, history, grads = train_with_fleet(
         "lamb", configs,
         lambda p: adam(p, lr=LAMB_LR, betas=(B1, B2), eps=ADAM_EPS, weight_decay=0.0))
@@ -153,7 +156,7 @@ def test_lamb_matches_the_formula_with_exclusions(adam):
     moments = {n: ([0.0] * w.numel(), [0.0] * w.numel()) for n, w in history[0].items()}
     for step in range(STEPS):
         for name, w in history[step].items():
-            wd = 0.0 if name.startswith("norm") else LAMB_WD
+            wd = 0.0 if name.endswith((".bias", "norm.weight")) else LAMB_WD
             expected, m, v = lamb_reference(w, grads[step][name], *moments[name], step + 1, wd)
             moments[name] = (m, v)
             torch.testing.assert_close(history[step + 1][name], expected, rtol=0, atol=1e-6)
@@ -169,6 +172,17 @@ def test_lamb_matches_the_formula_with_exclusions(adam):
 def test_lamb_preconditions(make_opt, message):
     with pytest.raises(StrategyError, match=message):
         train_with_fleet("lamb", {}, make_opt)
+
+
+def test_lamb_exclusions_are_suffixes():
+    """"norm" is inside "norm.weight" but ends no name: LAMB refuses it where LARS accepts it."""
+    with pytest.raises(StrategyError, match=r"lamb: exclude_from_weight_decay entries \['norm'\] "
+                                            r"match no parameter name \(an entry matches a name "
+                                            r"that ends with it"):
+        train_with_fleet("lamb", {"exclude_from_weight_decay": ["norm"]},
+                         lambda p: torch.optim.Adam(p, lr=0.01))
+    train_with_fleet("lars", {"exclude_from_weight_decay": ["norm"]},
+                     lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
 
 
 def test_lars_and_lamb_keep_the_learning_rate_schedule():

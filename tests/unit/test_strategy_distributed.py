@@ -42,7 +42,9 @@ DEFAULTS = {
         "use_ps_gpu": 0},
     "lars_configs": {"lars_coeff": 0.001, "lars_weight_decay": 0.0005, "epsilon": 0.0,
                      "exclude_from_weight_decay": []},
-    "lamb_configs": {"lamb_weight_decay": 0.01, "exclude_from_weight_decay": []},
+    # always_adapt is fleetx's key (the lamb kernel's attribute, which Fleet 2.2 cannot set).
+    "lamb_configs": {"lamb_weight_decay": 0.01, "exclude_from_weight_decay": [],
+                     "always_adapt": False},
     "adaptive_localsgd_configs": {"init_k_steps": 1, "begin_step": 1},
     "sharding_configs": {
         "sharding_segment_strategy": "segment_broadcast_MB", "segment_broadcast_MB": 32.0,
