@@ -1,7 +1,27 @@
 """The fleet API: ``from fleetx import fleet``.
 
-The module-level functions are bound methods of one default :class:`Fleet`; build your own
-``Fleet()`` for tests or for several jobs in one process.
+What it offers: Paddle Fleet's user surface. :class:`Fleet` (``fleet.py``) is one explicit
+object: ``init`` reads the role, joins the world and plans the strategies;
+``distributed_model`` / ``distributed_optimizer`` wrap the user's module and optimizer
+(``model.py``, ``optimizer.py``); ``util`` (``util.py``) serves host-side collectives; the PS
+entry points (``init_worker``, ``init_server``, ``run_server``, ``stop_worker``) hand over to
+the runtime the plan chose. The module-level functions are bound methods of one default
+:class:`Fleet`; build your own ``Fleet()`` for tests or for several jobs in one process.
+
+What it may import: torch, :mod:`fleetx.env`, :mod:`fleetx.role_maker`, :mod:`fleetx.strategy`
+(its contract, the ``DistributedStrategy`` surface and the planner), :mod:`fleetx.comm` (the
+process groups), :mod:`fleetx.optim` (the wrapper base) and :mod:`fleetx.metrics` (re-exported
+as ``fleet.metrics``, as in Paddle). Those packages must not import ``fleet`` back: a lower
+layer that needs the fleet takes what it needs as an argument.
+
+Invariants:
+
+* the engine (``fleet.py``, ``model.py``, ``optimizer.py``) never names a strategy: it asks
+  the planner for a plan and runs the :class:`~fleetx.strategy.api.TrainingContext` hook
+  points the planned strategies filled in;
+* there is no hidden global beyond the default ``Fleet`` behind the module-level functions;
+* the wrappers keep the user's objects: ``model.state_dict()`` has the plain model's keys and
+  the optimizer's groups and state are the inner optimizer's.
 
 Example:
     >>> from fleetx import fleet
