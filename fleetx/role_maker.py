@@ -7,7 +7,6 @@ Neither opens a connection: a role maker only resolves the role.
 from __future__ import annotations
 
 import enum
-import warnings
 from typing import Any, Mapping, Optional
 
 from fleetx import env
@@ -15,6 +14,12 @@ from fleetx import env
 __all__ = ["Role", "RoleMakerBase", "PaddleCloudRoleMaker", "UserDefinedRoleMaker"]
 
 _FALLBACK_ENDPOINT = "127.0.0.1:6170"
+#: Variables only a collective launcher writes (a parameter-server launch also lists servers).
+_COLLECTIVE_LAUNCH = ("WORLD_SIZE", "RANK", "PADDLE_TRAINER_ENDPOINTS")
+
+
+def _endpoints(n: int) -> str:
+    return f"{n} endpoint" if n == 1 else f"{n} endpoints"
 
 
 class Role(enum.IntEnum):
@@ -114,13 +119,24 @@ class RoleMakerBase:
     def _set_trainer_endpoints(self, endpoints: list[str]) -> None:
         self._worker_endpoints = list(endpoints)
 
+    def _heter_worker_num(self) -> int:
+        """Number of heterogeneous (CPU/GPU split) workers: always 0, fleetx has none."""
+        self._ensure()
+        return 0
+
+    def _is_heter_worker(self) -> bool:
+        """Whether this process is a heterogeneous worker: never, fleetx has none."""
+        self._ensure()
+        return self._role == Role.HETER_WORKER
+
     @property
     def is_collective(self) -> bool:
         return self._is_collective
 
     def to_string(self) -> str:
+        """Paddle's format: the role as its number (``role: 1`` worker, ``role: 2`` server)."""
         self._ensure()
-        role = self._role.name if self._role is not None else None
+        role = int(self._role) if self._role is not None else None
         return (f"role: {role}, current_id: {self._current_id}, "
                 f"worker_endpoints: {self._worker_endpoints}, "
                 f"server_endpoints: {self._server_endpoints}")
@@ -135,9 +151,15 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     ``PADDLE_RANK_IN_NODE`` and torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; when both
     are present they must agree. With neither, the script is a 1-process job.
 
+    A single endpoint with no rank variable is rank 0, as in Paddle. ``PADDLE_TRAINERS_NUM``
+    gives the world size only when neither ``PADDLE_TRAINER_ENDPOINTS`` nor ``WORLD_SIZE`` is
+    set (Paddle ignores it in collective mode).
+
     Parameter-server mode reads ``TRAINING_ROLE``, ``PADDLE_PSERVERS_IP_PORT_LIST``,
     ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ID`` (workers), ``POD_IP`` and ``PADDLE_PORT``
-    (servers). Without ``PADDLE_PSERVERS_IP_PORT_LIST`` the script is a 1-process local job.
+    (servers). Without ``PADDLE_PSERVERS_IP_PORT_LIST`` the script is a 1-process local job,
+    unless a collective launcher started it (``WORLD_SIZE``, ``RANK`` or
+    ``PADDLE_TRAINER_ENDPOINTS`` set): then it joins that collective job.
 
     Args:
         is_collective: collective (True) or parameter-server (False) job.
@@ -145,7 +167,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
 
     Raises:
         fleetx.env.EnvError: a variable is missing, malformed, or contradicts another; the
-            message names it.
+            message names it. Also ``is_collective=True`` in a parameter-server launch.
 
     Example:
         >>> rm = PaddleCloudRoleMaker(is_collective=True)
@@ -169,6 +191,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     # -- collective ---------------------------------------------------------------------------
     def _collective_role(self) -> None:
         e = self._env
+        self._refuse_ps_launch()
         role = env.get("PADDLE_TRAINING_ROLE", "TRAINER", e)
         if role != "TRAINER":
             raise env.EnvError(f"PADDLE_TRAINING_ROLE={role!r}: a collective job has only "
@@ -189,7 +212,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
             self._worker_endpoints = [_FALLBACK_ENDPOINT]
             return
         self._num_workers = world
-        self._current_id = self._agreed_rank(paddle_id, rank)
+        self._current_id = self._agreed_rank(paddle_id, rank, world)
         if not 0 <= self._current_id < self._num_workers:
             raise env.EnvError(f"rank {self._current_id} (RANK / PADDLE_TRAINER_ID) is outside "
                                f"[0, {self._num_workers}) given by the world size")
@@ -209,32 +232,56 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         """``PADDLE_WORLD_DEVICE_IDS`` as the launcher wrote it (None when unset)."""
         return env.get("PADDLE_WORLD_DEVICE_IDS", None, self._env)
 
+    def _refuse_ps_launch(self) -> None:
+        """A collective script started by a parameter-server launch: say so, rather than fail
+        later on a variable (PADDLE_TRAINER_ID) that a server process is never given."""
+        servers = env.get("PADDLE_PSERVERS_IP_PORT_LIST", None, self._env)
+        if servers is None:
+            return
+        role = env.get("TRAINING_ROLE", "?", self._env)
+        raise env.EnvError(
+            f"fleet.init(is_collective=True) in a process of a parameter-server launch "
+            f"(TRAINING_ROLE={role}, PADDLE_PSERVERS_IP_PORT_LIST={servers}): the script asks "
+            f"for a collective job but was launched with parameter servers. Launch it with "
+            f"`fleetrun --nproc_per_node N script.py` (no --server_num / --servers), or call "
+            f"fleet.init() without is_collective=True for a parameter-server job")
+
     def _agreed_world(self, endpoints: list[str]) -> Optional[int]:
-        """The world size all the given variables agree on, or None when none is given."""
+        """The world size all the given variables agree on, or None when none is given.
+
+        ``PADDLE_TRAINERS_NUM`` counts only when neither ``PADDLE_TRAINER_ENDPOINTS`` nor
+        ``WORLD_SIZE`` is set: Paddle's collective role maker ignores it, so a stale value left
+        by another launcher must not stop a job whose endpoints say otherwise.
+        """
         e = self._env
         given = [(name, value) for name, value in (
             ("PADDLE_TRAINER_ENDPOINTS", len(endpoints) if endpoints else None),
             ("WORLD_SIZE", env.get_int("WORLD_SIZE", None, e)),
-            ("PADDLE_TRAINERS_NUM", env.get_int("PADDLE_TRAINERS_NUM", None, e)),
         ) if value is not None]
+        if not given and env.is_set("PADDLE_TRAINERS_NUM", e):
+            given = [("PADDLE_TRAINERS_NUM", env.get_int("PADDLE_TRAINERS_NUM", None, e))]
         if not given:
             return None
         first_name, first = given[0]
         for name, value in given[1:]:
             if value != first:
-                source = (f"{first_name}, which lists {first} endpoints" if given[0][0] ==
+                source = (f"{first_name}, which lists {_endpoints(first)}" if first_name ==
                           "PADDLE_TRAINER_ENDPOINTS" else f"{first_name}={first}")
                 raise env.EnvError(f"{name}={value} disagrees with {source}")
         if first < 1:
             raise env.EnvError(f"{first_name}={first} must be >= 1")
         return first
 
-    def _agreed_rank(self, paddle_id: Optional[int], rank: Optional[int]) -> int:
+    def _agreed_rank(self, paddle_id: Optional[int], rank: Optional[int], world: int) -> int:
         if paddle_id is not None and rank is not None and paddle_id != rank:
             raise env.EnvError(f"PADDLE_TRAINER_ID={paddle_id} disagrees with RANK={rank}")
         if paddle_id is None and rank is None:
-            raise env.EnvError("the world size is set but neither PADDLE_TRAINER_ID nor RANK "
-                               "says which rank this process is")
+            if world == 1:
+                return 0  # Paddle's default PADDLE_TRAINER_ID; the only rank there is
+            # Paddle would make every process rank 0 here; two rank 0s would hang at the
+            # rendezvous, so the missing variable is named instead.
+            raise env.EnvError(f"the world size is {world} but neither PADDLE_TRAINER_ID nor "
+                               f"RANK says which rank this process is")
         return paddle_id if paddle_id is not None else rank
 
     def _agreed_local_rank(self) -> int:
@@ -250,13 +297,15 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     def _ps_role(self) -> None:
         e = self._env
         servers = env.get_list("PADDLE_PSERVERS_IP_PORT_LIST", e)
+        if not servers and any(env.is_set(name, e) for name in _COLLECTIVE_LAUNCH):
+            # A collective launcher (fleetrun --nproc_per_node, torchrun) started this process
+            # and there are no servers: the script meant the collective job. Paddle would run
+            # each process as its own one-process job, all of them "rank 0", training apart and
+            # saving over each other; fleetx joins the job instead.
+            self._is_collective = True
+            self._collective_role()
+            return
         if not servers:
-            if (env.get_int("WORLD_SIZE", 1, e) or 1) > 1 or \
-                    len(env.get_list("PADDLE_TRAINER_ENDPOINTS", e)) > 1:
-                warnings.warn("this process was launched as part of a collective job, but "
-                              "fleet.init() was called without is_collective=True and there are "
-                              "no parameter servers: it runs as a one-process local job. Use "
-                              "fleet.init(is_collective=True).", stacklevel=4)
             self._non_distributed = True
             self._role, self._current_id, self._num_workers = Role.WORKER, 0, 1
             return
@@ -352,7 +401,7 @@ class UserDefinedRoleMaker(RoleMakerBase):
                 raise ValueError("UserDefinedRoleMaker(is_collective=True) needs worker_endpoints")
             if worker_num and worker_num != len(workers):
                 raise ValueError(f"worker_num={worker_num} disagrees with worker_endpoints, "
-                                 f"which lists {len(workers)} endpoints")
+                                 f"which lists {_endpoints(len(workers))}")
             self._role, self._num_workers = Role.WORKER, len(workers)
             self._local_rank, self._local_world_size = _place_on_host(workers, current_id)
         else:

@@ -33,7 +33,7 @@ Example:
 import sys
 import types
 
-from fleetx.fleet.fleet import Fleet, FleetError
+from fleetx.fleet.fleet import Fleet, FleetError, RuntimeHandlerError
 from fleetx.role_maker import (PaddleCloudRoleMaker, Role, RoleMakerBase,
                                      UserDefinedRoleMaker)
 from fleetx.fleet.util import UtilBase
@@ -77,6 +77,9 @@ init_server = _fleet.init_server
 run_server = _fleet.run_server
 stop_worker = _fleet.stop_worker
 save_persistables = _fleet.save_persistables
+_final_strategy = _fleet._final_strategy
+_get_applied_meta_list = _fleet._get_applied_meta_list
+_get_applied_graph_list = _fleet._get_applied_graph_list
 
 
 class _FleetModule(types.ModuleType):
@@ -97,7 +100,7 @@ sys.modules[__name__].__class__ = _FleetModule
 from fleetx import metrics  # noqa: E402  (fleet.metrics, as in Paddle; uses fleet.util lazily)
 
 __all__ = [
-    "metrics", "Fleet", "FleetError", "DistributedStrategy", "Role", "RoleMakerBase", "PaddleCloudRoleMaker",
+    "metrics", "Fleet", "FleetError", "RuntimeHandlerError", "DistributedStrategy", "Role", "RoleMakerBase", "PaddleCloudRoleMaker",
     "UserDefinedRoleMaker", "UtilBase", "util", "init", "is_first_worker", "worker_index",
     "worker_num", "node_num", "local_rank", "local_device", "local_device_ids",
     "world_device_ids", "is_worker", "is_server", "server_num", "server_index",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import logging
 import sys
 import warnings
 from typing import Any, Optional
@@ -17,6 +18,7 @@ import torch
 
 from fleetx import env
 from fleetx.comm.groups import Communicator, pick_backend
+from fleetx.fleet import applied
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
@@ -25,11 +27,18 @@ from fleetx.strategy.api import Mode, Plan, TrainingContext, WorldInfo, register
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.planner import plan_for
 
-__all__ = ["Fleet", "FleetError"]
+__all__ = ["Fleet", "FleetError", "RuntimeHandlerError"]
+
+_log = logging.getLogger("fleetx")
 
 
 class FleetError(RuntimeError):
     """The fleet API was used out of order (e.g. before ``fleet.init``)."""
+
+
+class RuntimeHandlerError(FleetError, ValueError):
+    """``init_worker`` and the other runtime calls before a runtime exists. A ``ValueError`` as
+    in Paddle ("Fleet can not find suitable runtime handler"), and a :class:`FleetError`."""
 
 
 class Fleet:
@@ -52,8 +61,28 @@ class Fleet:
         self._dist_optimizer: Optional[DistributedOptimizer] = None
         self._ctx: Optional[TrainingContext] = None
         self._plan: Optional[Plan] = None
-        self.util = UtilBase(self)
+        self._util = UtilBase(self)
         self._warned: set = set()
+
+    @property
+    def util(self) -> UtilBase:
+        """Host-side collectives among workers (:class:`UtilBase`)."""
+        return self._util
+
+    @util.setter
+    def util(self, value: UtilBase) -> None:
+        """Replace the util, as Paddle allows (``fleet.util = MyUtil()``): an instance built
+        without a fleet (``super().__init__()``) serves this one.
+
+        Raises:
+            TypeError: ``value`` is not a :class:`UtilBase`.
+        """
+        if not isinstance(value, UtilBase):
+            raise TypeError(f"fleet.util must be a fleet.UtilBase (or a subclass), "
+                            f"got {type(value).__name__}")
+        if value._fleet is None:
+            value._fleet = self
+        self._util = value
 
     # -- set-up --------------------------------------------------------------------------------
     def init(self, role_maker: Optional[RoleMakerBase] = None, is_collective: bool = False,
@@ -113,7 +142,8 @@ class Fleet:
 
     def _rm(self, what: str) -> RoleMakerBase:
         if self._role_maker is None:
-            raise FleetError(f"call fleet.init() before fleet.{what}()")
+            use = "using fleet.util" if what == "util" else f"fleet.{what}()"
+            raise FleetError(f"call fleet.init() before {use}")
         return self._role_maker
 
     def _communicator(self) -> Optional[Communicator]:
@@ -203,6 +233,7 @@ class Fleet:
 
     def barrier_worker(self) -> None:
         """Wait for every worker (a missing one is named after ``FLEETX_TIMEOUT`` seconds)."""
+        self._rm("barrier_worker")
         self.util.barrier("worker")
 
     def local_device(self) -> torch.device:
@@ -315,6 +346,32 @@ class Fleet:
         """Names of the strategies the plan in force applies, in order (empty before any)."""
         return self._plan.applied if self._plan is not None else ()
 
+    def _applied_plan(self, what: str) -> Optional[Plan]:
+        if self._dist_optimizer is None or self._plan is None:
+            # Paddle's words and its empty answer before its minimize.
+            print(f"WARNING: You may need to call minimize function before {what} called",
+                  flush=True)
+            return None
+        return self._plan
+
+    def _final_strategy(self) -> Any:
+        """The strategy as applied (Paddle's "valid strategy"): a copy with every meta-optimizer
+        switch the plan did not apply turned off; ``{}`` before ``distributed_optimizer``."""
+        plan = self._applied_plan("_final_strategy")
+        return {} if plan is None else applied.final_strategy(self._strategy, plan)
+
+    def _get_applied_meta_list(self) -> list:
+        """Paddle's meta-optimizer class names of the applied strategies (``"AMPOptimizer"``...),
+        in application order; ``[]`` before ``distributed_optimizer``."""
+        plan = self._applied_plan("_get_applied_meta_list")
+        return [] if plan is None else applied.meta_list(plan)
+
+    def _get_applied_graph_list(self) -> list:
+        """``["GraphExecutionOptimizer"]`` when data parallel applies (Paddle's graph optimizer
+        for it); ``[]`` before ``distributed_optimizer``."""
+        plan = self._applied_plan("_get_applied_graph_list")
+        return [] if plan is None else applied.graph_list(plan)
+
     # -- optimizer delegation (Paddle's dygraph API) -------------------------------------------
     def _opt(self, what: str) -> DistributedOptimizer:
         if self._dist_optimizer is None:
@@ -329,17 +386,18 @@ class Fleet:
         """Set the learning rate of every parameter group (servers follow in PS mode)."""
         self._opt("set_lr").set_lr(value)
 
-    def step(self) -> None:
-        """One optimizer step through the plan's strategies."""
-        self._opt("step").step()
+    def step(self) -> bool:
+        """One optimizer step through the plan's strategies; True when the parameters were
+        updated (False on a gradient-merge micro-step or a skipped AMP step)."""
+        return self._opt("step").step()
 
     def clear_grad(self) -> None:
         """Clear the gradients (``zero_grad``)."""
         self._opt("clear_grad").zero_grad()
 
-    def minimize(self, loss: torch.Tensor) -> None:
-        """Backward, step and zero_grad in one call."""
-        self._opt("minimize").minimize(loss)
+    def minimize(self, loss: torch.Tensor) -> bool:
+        """Backward, step and zero_grad in one call; True when the parameters were updated."""
+        return self._opt("minimize").minimize(loss)
 
     def state_dict(self) -> dict:
         """The optimizer wrapper's state dict."""
@@ -351,18 +409,36 @@ class Fleet:
 
     # -- runtime (parameter server) ------------------------------------------------------------
     def _runtime(self, what: str) -> Any:
+        """The parameter-server runtime, or None in collective mode (after checking, as Paddle
+        does, that there is a runtime to speak of).
+
+        Raises:
+            RuntimeHandlerError: no optimizer was built yet (collective or parameter server),
+                or the parameter-server plan installed no runtime.
+        """
         rm = self._rm(what)
         if rm.is_collective:
+            if rm._is_non_distributed():
+                warnings.warn(f"{what}() function doesn't work when use non_distributed fleet.",
+                              stacklevel=3)
+                return None
+            if self._dist_optimizer is None:
+                raise RuntimeHandlerError(
+                    f"Fleet can not find suitable runtime handler for {what}(): call "
+                    f"fleet.distributed_optimizer(...) first")
             return None
         runtime = getattr(self._ctx, "runtime", None) if self._ctx is not None else None
         if runtime is None:
-            raise FleetError(f"Fleet can not find suitable runtime handler for {what}(): call "
-                             f"fleet.distributed_optimizer(...) first, in a parameter-server "
-                             f"job whose plan includes the parameter server")
+            raise RuntimeHandlerError(
+                f"Fleet can not find suitable runtime handler for {what}(): call "
+                f"fleet.distributed_optimizer(...) first, in a parameter-server job whose plan "
+                f"includes the parameter server")
         return runtime
 
     def _collective_note(self, what: str) -> None:
-        print(f"You should not call '{what}' method for collective mode.", flush=True)
+        # Paddle's collective runtime logs this and does nothing; the log goes to stderr.
+        if not self._role_maker._is_non_distributed():
+            _log.warning("You should not call '%s' method for collective mode.", what)
 
     def init_worker(self) -> None:
         """Parameter server: connect this worker to the servers."""

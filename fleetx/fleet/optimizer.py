@@ -31,6 +31,8 @@ class DistributedOptimizer(OptimizerWrapper):
     def __init__(self, ctx: Any) -> None:  # noqa: D107
         super().__init__()
         self._ctx = ctx
+        #: whether the last ``step`` updated the parameters (see :meth:`step`)
+        self.last_step_taken = False
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -38,9 +40,17 @@ class DistributedOptimizer(OptimizerWrapper):
         return self._ctx.optimizer
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        """Take one optimizer step unless a strategy's guard skips it (e.g. inf gradients)."""
+        """Take one optimizer step unless a strategy's guard skips it.
+
+        Returns:
+            Without ``closure``: True when the parameters were updated, False when a strategy
+            skipped the update (a gradient-merge micro-step, an AMP step with inf gradients).
+            With ``closure``: its loss, as ``torch.optim.Optimizer.step`` does (the flag is then
+            :attr:`last_step_taken`).
+        """
         loss = None
-        if all(guard() for guard in self._ctx.step_guards):
+        self.last_step_taken = all(guard() for guard in self._ctx.step_guards)
+        if self.last_step_taken:
             # Hooks registered on this wrapper (register_step_pre_hook / _post_hook) run around
             # the steps actually taken, as they would on a plain optimizer.
             for hook in list(self._optimizer_step_pre_hooks.values()):
@@ -50,7 +60,7 @@ class DistributedOptimizer(OptimizerWrapper):
                 hook(self, (), {})
         for hook in self._ctx.after_step:
             hook()
-        return loss
+        return loss if closure is not None else self.last_step_taken
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients, unless a strategy is still accumulating them."""
@@ -65,11 +75,35 @@ class DistributedOptimizer(OptimizerWrapper):
             listener(loss)
         self._ctx.backward(loss)
 
-    def minimize(self, loss: torch.Tensor) -> None:
-        """Backward, step and zero_grad in one call: the single seam strategies hook into."""
+    def minimize(self, loss: torch.Tensor) -> bool:
+        """Backward, step and zero_grad in one call: the single seam strategies hook into.
+
+        Returns:
+            True when the parameters were updated on this call; False on a gradient-merge
+            micro-step or an AMP step skipped for inf gradients. Step an LR scheduler only then
+            (``if opt.minimize(loss): scheduler.step()``), so it counts updates, not micro-steps.
+        """
         self.backward(loss)
-        self.step()
+        taken = self.step()
         self.zero_grad()
+        return taken
+
+    def average_parameters(self) -> None:
+        """Average the parameters over the ranks where the plan lets them differ.
+
+        Local SGD steps without communicating between its averages, so after the last step the
+        ranks hold different parameters; call this on every rank (it is a collective) before
+        saving or evaluating. Where the plan keeps the ranks equal (data parallel, gradient
+        merge...) it sends nothing.
+
+        Example:
+            >>> opt.average_parameters()        # every rank
+            >>> if fleet.is_first_worker():
+            ...     torch.save(model.state_dict(), "model.pt")
+        """
+        method = self._ctx.optimizer_methods.get("average_parameters")
+        if method is not None:
+            method()
 
     def get_lr(self) -> float:
         """The learning rate of the first parameter group."""
@@ -101,6 +135,7 @@ class DistributedOptimizer(OptimizerWrapper):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        """Load what :meth:`state_dict` returned (the inner optimizer's and the strategies')."""
         state_dict = dict(state_dict)
         extra = state_dict.pop("fleetx", {})
         self.inner.load_state_dict(state_dict)
@@ -110,6 +145,8 @@ class DistributedOptimizer(OptimizerWrapper):
                 target.load_state_dict(value)
             else:
                 self._ctx.state[key] = value
+
+    set_state_dict = load_state_dict  # Paddle's name
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: methods a strategy adds (``get_loss_scaling``).

@@ -6,7 +6,7 @@ every collective returns its input's value unchanged.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -37,17 +37,37 @@ def _to_tensor(value: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]
 class UtilBase:
     """Collectives among workers and small job helpers.
 
+    Subclass it as in Paddle, with a plain ``super().__init__()``, and assign an instance to
+    ``fleet.util``: the fleet it is assigned to binds it. An instance never assigned serves the
+    default fleet (``fleetx.fleet``).
+
     Args:
-        fleet: the :class:`~fleetx.fleet.fleet.Fleet` whose world this uses.
+        fleet: the :class:`~fleetx.fleet.fleet.Fleet` whose world this uses (None: the one it
+            is assigned to, else the default one).
+
+    Example:
+        >>> class MyUtil(fleet.UtilBase):
+        ...     def get_user_id(self):
+        ...         return 10
+        >>> fleet.util = MyUtil()
+        >>> fleet.util.all_reduce(1)   # summed over the workers
     """
 
-    def __init__(self, fleet: Any) -> None:
+    def __init__(self, fleet: Optional[Any] = None) -> None:
         self._fleet = fleet
+
+    @property
+    def _world(self) -> Any:
+        """The fleet this util serves (bound on first use when none was given)."""
+        if self._fleet is None:
+            from fleetx.fleet import _fleet  # the package imports this module: resolve late
+            self._fleet = _fleet
+        return self._fleet
 
     def _group(self, comm_world: str) -> Any:
         if comm_world not in _WORLDS:
             raise ValueError(f"comm_world must be one of {list(_WORLDS)}, got {comm_world!r}")
-        return self._fleet._communicator()
+        return self._world._communicator()
 
     def barrier(self, comm_world: str = "worker") -> None:
         """Wait until every worker arrives; a missing one is named after the timeout."""
@@ -116,12 +136,12 @@ class UtilBase:
         """
         if not isinstance(files, list):
             raise TypeError("files should be a list of file need to be read.")
-        n, index = self._fleet.worker_num(), self._fleet.worker_index()
+        n, index = self._world.worker_num(), self._world.worker_index()
         size, extra = divmod(len(files), n)
         start = index * size + min(index, extra)
         return files[start:start + size + (1 if index < extra else 0)]
 
     def print_on_rank(self, message: Any, rank_id: int = 0) -> None:
         """Print ``message`` only on worker ``rank_id``."""
-        if self._fleet.worker_index() == rank_id:
+        if self._world.worker_index() == rank_id:
             print(message, flush=True)

@@ -356,7 +356,8 @@ def run(p: PSPlan) -> int:
             follower.stop()
     if code == EXIT_OK:
         if any(proc.role == "server" for proc in p.local):
-            print("all parameter server are killed", flush=True)
+            # stderr, where Paddle's launcher tests look for it
+            print("all parameter server are killed", file=sys.stderr, flush=True)
         print("Local processes completed.", flush=True)
     return code
 

@@ -20,6 +20,9 @@ How it maps onto PyTorch. Steps are counted from 1, as in Paddle:
   with ``torch.distributed.algorithms.model_averaging.utils.average_parameters`` (one flat
   all-reduce). Every parameter is averaged: PyTorch's ``PeriodicModelAverager`` skips parameters
   whose ``.grad`` is None at that moment, which would leave ranks apart.
+* the ranks hold different parameters between two averages, also after the last step: call
+  ``optimizer.average_parameters()`` on every rank before saving or evaluating (it averages them
+  once more; rank 0 alone would otherwise save a model no average ever saw).
 * ``k_steps = 1`` is plain data parallel (averaging every step costs no less than DDP's gradient
   all-reduce, and gives the same parameters), so nothing changes.
 """
@@ -132,7 +135,8 @@ class LocalSGDStrategy(Strategy):
             return Verdict.ok("k_steps=1: every step synchronises through DDP's gradient "
                               "all-reduce (the same parameters as averaging every step)")
         return Verdict.ok(f"gradient all-reduce for steps 1..{cfg.begin_step}, then local steps "
-                          f"and a parameter average every {cfg.k_steps} steps")
+                          f"and a parameter average every {cfg.k_steps} steps; call "
+                          f"optimizer.average_parameters() on every rank before saving")
 
     def apply(self, ctx: TrainingContext) -> None:
         cfg = self.strategy.typed_config("localsgd")
@@ -146,4 +150,7 @@ class LocalSGDStrategy(Strategy):
             if state.advance():
                 average(model_parameters(ctx))
 
+        # Between averages (and after the last step) the ranks' parameters differ; the
+        # optimizer wrapper's average_parameters() ends that, e.g. before a save.
+        ctx.optimizer_methods["average_parameters"] = lambda: average(model_parameters(ctx))
         ctx.after_step.append(after_step)

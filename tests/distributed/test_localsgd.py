@@ -3,7 +3,8 @@
 * ``k_steps=1`` equals plain data parallel (1 process on the double batch), to 1e-5;
 * ``k_steps=3, begin_step=2`` equals a simulation of two replicas in one process (gradients
   averaged for steps 1-2, then local steps and a parameter average after steps 5, 8, 11), to 1e-5;
-  the ranks hold bitwise identical parameters right after each average and different ones between;
+  the ranks hold bitwise identical parameters right after each average and different ones between,
+  and ``average_parameters()`` after the last (local) step gives every rank the same model;
   collectives are counted: DDP's gradient hook runs only in steps 1-2, and one parameter
   all-reduce happens per averaging (3 in 12 steps, against 12 gradient all-reduces for DDP);
 * localsgd + amp: trains, ranks identical after every average, and an inf on one rank in a local
@@ -136,9 +137,12 @@ def _run(fleet, rank, steps=STEPS, inject=(), make_scheduler=None):
         trace.append({"loss": loss.item(), "lr": lr, "weight": model.module[0].weight.clone(),
                       "counts": counter.snapshot(), "state": {
                           k: v.state_dict() for k, v in state.items()}})
+    last = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.average_parameters()  # every rank, before saving: ends local SGD's drift
     import torch.distributed as dist
     dist.all_reduce = counter._all_reduce
-    return {"state": model.state_dict(), "trace": trace, "plan": fleet.applied_strategies()}
+    return {"state": last, "averaged": model.state_dict(), "trace": trace,
+            "plan": fleet.applied_strategies()}
 
 
 def _train(rank: int, world: int, out: str) -> None:
@@ -189,6 +193,23 @@ def test_k3_communicates_one_time_in_k(ranks):
         same = torch.equal(a["weight"], b["weight"])
         assert same is (step <= BEGIN or step in (5, 8, 11)), step
     assert t0[-1]["state"]["localsgd"] == {"step": STEPS, "syncs": 3}
+
+
+def test_average_parameters_before_saving_gives_every_rank_the_same_model(ranks):
+    # Step 12 is a local step (the last average was after step 11): the ranks end apart, and
+    # a model saved by rank 0 alone would be its own. average_parameters() ends that.
+    last = [r["k3"]["state"] for r in ranks]
+    assert any(not torch.equal(last[0][k], last[1][k]) for k in last[0])
+    simulated = local_sgd_simulation()
+    for name in last[0]:
+        saved = [r["k3"]["averaged"][name] for r in ranks]
+        assert torch.equal(saved[0], saved[1]), name
+        torch.testing.assert_close(saved[0], (simulated[0][name] + simulated[1][name]) / 2,
+                                   rtol=0, atol=1e-5)
+    # Where the ranks never drift (k_steps=1 is data parallel) it changes nothing.
+    for r in ranks:
+        for name, value in r["k1"]["state"].items():
+            assert torch.equal(r["k1"]["averaged"][name], value)
 
 
 def test_localsgd_with_amp(ranks):

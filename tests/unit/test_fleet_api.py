@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fleetx import DistributedStrategy
-from fleetx.fleet import Fleet, FleetError
+from fleetx.fleet import Fleet, FleetError, UtilBase
 from fleetx.role_maker import Role, UserDefinedRoleMaker
 
 
@@ -181,9 +181,158 @@ def test_strategy_is_copied_and_replaced_by_distributed_optimizer(fleet):
     assert f._strategy.fuse_grad_size_in_MB == 2
 
 
-def test_collective_runtime_calls_only_note(fleet, capsys):
-    fleet.init_worker()
-    assert "You should not call 'init_worker' method for collective mode." in capsys.readouterr().out
+@pytest.mark.parametrize("call", ["init_worker", "stop_worker", "init_server", "run_server"])
+def test_runtime_calls_in_a_one_process_collective_job_warn_as_paddle(fleet, call):
+    with pytest.warns(UserWarning, match=rf"{call}\(\) function doesn't work when use "
+                                         rf"non_distributed fleet\."):
+        getattr(fleet, call)()
+
+
+@pytest.mark.parametrize("call", ["init_worker", "stop_worker"])
+def test_runtime_calls_before_an_optimizer_in_a_collective_job_raise_value_error(call):
+    f = Fleet()  # two workers; a user-defined role opens no connection until one is needed
+    f.init(UserDefinedRoleMaker(is_collective=True, current_id=0,
+                                worker_endpoints=["127.0.0.1:1", "127.0.0.1:2"]))
+    with pytest.raises(ValueError, match="Fleet can not find suitable runtime handler") as err:
+        getattr(f, call)()
+    assert isinstance(err.value, FleetError)
+
+
+class MyUtil(UtilBase):
+    """Paddle's documented pattern: a plain ``super().__init__()``."""
+
+    def __init__(self):
+        super().__init__()
+
+    def get_user_id(self):
+        return 10
+
+
+def test_a_util_subclass_assigned_to_fleet_util_serves_that_fleet(fleet):
+    util = MyUtil()
+    fleet.util = util
+    assert fleet.util is util and util._fleet is fleet
+    assert util.get_user_id() == 10 and util.all_reduce(np.array([3, 4])).tolist() == [3, 4]
+    assert util.get_file_shard(["a", "b"]) == ["a", "b"]
+    with pytest.raises(TypeError, match="fleet.util must be a fleet.UtilBase .*, got dict"):
+        fleet.util = {}
+
+
+def test_module_level_util_assignment_binds_the_default_fleet():
+    from fleetx import fleet as module
+    previous = module.util
+    try:
+        module.util = MyUtil()
+        assert module.util._fleet is module._fleet and module.util.get_user_id() == 10
+    finally:
+        module.util = previous
+
+
+def test_util_before_init_names_the_attribute():
+    with pytest.raises(FleetError, match=r"^call fleet.init\(\) before using fleet.util$"):
+        Fleet().util.barrier()
+
+
+def test_applied_lists_before_an_optimizer_are_empty_as_in_paddle(fleet, capsys):
+    assert fleet._final_strategy() == {} and fleet._get_applied_meta_list() == []
+    assert fleet._get_applied_graph_list() == []
+    assert "WARNING: You may need to call minimize function before _get_applied_meta_list " \
+           "called" in capsys.readouterr().out
+
+
+def test_final_strategy_and_applied_meta_list_reflect_the_plan(fleet):
+    s = DistributedStrategy()
+    s.amp = True
+    s.gradient_merge = True
+    s.gradient_merge_configs = {"k_steps": 2}
+    s.recompute = True  # accepted, nothing in fleetx applies it
+    s.fp16_allreduce = True  # skipped on one process: nothing to all-reduce
+    f = Fleet()
+    f.init(is_collective=True, strategy=s)
+    model = f.distributed_model(net())
+    with pytest.warns(UserWarning):
+        f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    # Paddle's chain, head first: gradient merge wraps AMP.
+    assert f._get_applied_meta_list() == ["GradientMergeOptimizer", "AMPOptimizer"]
+    assert f._get_applied_graph_list() == []  # one process: no data parallel
+    final = f._final_strategy()
+    assert isinstance(final, DistributedStrategy) and final is not f._strategy
+    assert (final.amp, final.gradient_merge, final.recompute, final.fp16_allreduce) == (
+        True, True, False, False)
+    assert final.gradient_merge_configs["k_steps"] == 2 and f._strategy.recompute is True
+
+
+def merge_fleet(k_steps=2, **switches):
+    s = DistributedStrategy()
+    s.gradient_merge = True
+    s.gradient_merge_configs = {"k_steps": k_steps}
+    for key, value in switches.items():
+        setattr(s, key, value)
+    f = Fleet()
+    f.init(is_collective=True, strategy=s)
+    model = f.distributed_model(net())
+    return f, model, f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+
+
+def test_minimize_and_step_say_whether_the_parameters_were_updated():
+    f, model, opt = merge_fleet(k_steps=2)
+    x = torch.randn(4, 4)
+    taken = []
+    for _ in range(4):
+        before = model.module[0].weight.clone()
+        taken.append(f.minimize(model(x).square().mean()))
+        assert taken[-1] is (not torch.equal(before, model.module[0].weight))
+    assert taken == [False, True, False, True]
+    opt.backward(model(x).square().mean())
+    assert opt.step() is False and opt.last_step_taken is False
+    opt.backward(model(x).square().mean())
+    loss = opt.step(closure=lambda: torch.tensor(7.0))  # torch's contract: the closure's loss
+    assert loss.item() == 7.0 and opt.last_step_taken is True
+
+
+def test_minimize_is_false_on_a_skipped_amp_step(fleet):
+    s = DistributedStrategy()
+    s.amp = True
+    f = Fleet()
+    f.init(is_collective=True, strategy=s)
+    model = f.distributed_model(net())
+    opt = f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 4)
+    before = model.module[0].weight.clone()
+    assert opt.minimize(model(x).sum() * float("inf")) is False
+    assert torch.equal(before, model.module[0].weight)
+    assert opt.minimize(model(x).square().mean()) is True
+
+
+def test_lr_scheduler_under_gradient_merge_counts_updates_with_the_recipe():
+    # StepLR(10, 0.5), k_steps=2, 50 micro-steps = 25 updates: two decays, 0.05 -> 0.0125.
+    f, model, opt = merge_fleet(k_steps=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    x = torch.randn(4, 4)
+    updates = 0
+    for _ in range(50):
+        if opt.minimize(model(x).square().mean()):
+            sched.step()
+            updates += 1
+    assert updates == 25 and opt.get_lr() == pytest.approx(0.05 * 0.5 ** 2)
+    # Without the recipe the scheduler counts micro-steps: five decays, 0.05 -> 0.0016.
+    f, model, opt = merge_fleet(k_steps=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    for _ in range(50):
+        opt.minimize(model(x).square().mean())
+        sched.step()
+    assert opt.get_lr() == pytest.approx(0.05 * 0.5 ** 5) and round(opt.get_lr(), 4) == 0.0016
+
+
+def test_set_state_dict_is_paddles_name_for_load_state_dict():
+    f, model, opt = merge_fleet(k_steps=3)
+    opt.minimize(model(torch.randn(2, 4)).sum())
+    saved = opt.state_dict()
+    _, _, fresh = merge_fleet(k_steps=3)
+    fresh.set_lr(0.5)
+    fresh.set_state_dict(saved)
+    assert fresh.get_lr() == pytest.approx(0.05)
+    assert fresh.state_dict()["fleetx"]["gradient_merge"] == {"micro_step": 1}
 
 
 def test_ps_mode_init_opens_nothing_and_runtime_needs_a_plan():

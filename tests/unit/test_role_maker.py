@@ -59,10 +59,10 @@ def test_both_sets_agree():
      "PADDLE_RANK_IN_NODE=1 disagrees with LOCAL_RANK=0"),
     ({"PADDLE_TRAINING_ROLE": "PSERVER"}, "PADDLE_TRAINING_ROLE='PSERVER'"),
     ({"RANK": "1"}, "RANK=1 is set but the world size is not"),
-    ({"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINERS_NUM": "2", "PADDLE_TRAINER_ENDPOINTS": "a:1,a:2,a:3"},
-     "PADDLE_TRAINERS_NUM=2 disagrees with PADDLE_TRAINER_ENDPOINTS, which lists 3 endpoints"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "PADDLE_TRAINERS_NUM": "3"},
-     "PADDLE_TRAINERS_NUM=3 disagrees with WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "PADDLE_TRAINER_ENDPOINTS": "a:1"},
+     "WORLD_SIZE=2 disagrees with PADDLE_TRAINER_ENDPOINTS, which lists 1 endpoint"),
+    ({"PADDLE_TRAINER_ENDPOINTS": "a:1,a:2"},
+     "the world size is 2 but neither PADDLE_TRAINER_ID nor RANK says which rank"),
     ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
      "LOCAL_RANK=2 is outside [0, 2) given by LOCAL_WORLD_SIZE"),
 ])
@@ -93,6 +93,8 @@ def test_ps_without_servers_is_local():
     ({"PADDLE_TRAINERS_NUM": ""}, "Can not find PADDLE_TRAINERS_NUM"),
     ({}, "Can not find TRAINING_ROLE"),
     ({"TRAINING_ROLE": "BOSS"}, "TRAINING_ROLE must be PSERVER or TRAINER, but got 'BOSS'"),
+    ({"TRAINING_ROLE": "HETER_TRAINER"}, "TRAINING_ROLE must be PSERVER or TRAINER, but got "
+                                         "'HETER_TRAINER'"),
     ({"TRAINING_ROLE": "TRAINER"}, "Can not find PADDLE_TRAINER_ID"),
     ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "2"},
      "PADDLE_TRAINER_ID=2 is outside [0, 2)"),
@@ -178,10 +180,62 @@ def test_user_defined_local_rank_comes_from_shared_hosts():
     assert places == [(0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
 
 
-def test_plain_init_under_a_collective_launcher_warns():
-    with pytest.warns(UserWarning, match="without is_collective=True"):
-        rm = ps({"RANK": "0", "WORLD_SIZE": "2"})
-    assert rm._is_non_distributed()
+@pytest.mark.parametrize("env", [
+    {"RANK": "1", "WORLD_SIZE": "2"},
+    {"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:1,127.0.0.1:2"},
+])
+def test_plain_init_under_a_collective_launcher_joins_the_collective_job(env):
+    rm = ps(env)  # fleet.init() without is_collective=True, no parameter servers
+    assert rm.is_collective and not rm._is_non_distributed()
+    assert (rm._worker_index(), rm._worker_num(), rm._is_worker()) == (1, 2, True)
+
+
+def test_plain_init_without_a_launcher_stays_a_local_job():
+    rm = ps({"PADDLE_TRAINERS_NUM": "2"})  # not a variable only a collective launcher writes
+    assert not rm.is_collective and rm._is_non_distributed() and rm._worker_num() == 1
+
+
+@pytest.mark.parametrize("role", ["PSERVER", "TRAINER"])
+def test_collective_init_in_a_ps_launch_names_the_launch(role):
+    env = dict(PS_BASE, TRAINING_ROLE=role, POD_IP="127.0.0.1", PADDLE_PORT="6000")
+    with pytest.raises(EnvError) as err:
+        collective(env)
+    message = str(err.value)
+    assert f"fleet.init(is_collective=True) in a process of a parameter-server launch " \
+           f"(TRAINING_ROLE={role}, PADDLE_PSERVERS_IP_PORT_LIST=127.0.0.1:6000,127.0.0.1:6001)" \
+        in message
+    assert "fleetrun --nproc_per_node N script.py" in message and "PADDLE_TRAINER_ID" not in message
+
+
+def test_one_endpoint_without_a_rank_is_rank_zero():
+    rm = collective({"PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:6170"})  # Paddle's default id "0"
+    assert (rm._worker_index(), rm._worker_num(), rm._is_first_worker()) == (0, 1, True)
+    assert not rm._is_non_distributed()
+
+
+@pytest.mark.parametrize("trainers_num", ["3", "1", "7"])
+def test_paddle_trainers_num_is_not_checked_against_the_endpoints(trainers_num):
+    # Paddle's collective role maker never reads PADDLE_TRAINERS_NUM.
+    rm = collective({"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINERS_NUM": trainers_num,
+                     "PADDLE_TRAINER_ENDPOINTS": "a:1,a:2"})
+    assert (rm._worker_index(), rm._worker_num()) == (1, 2)
+    rm = collective({"RANK": "0", "WORLD_SIZE": "2", "PADDLE_TRAINERS_NUM": trainers_num})
+    assert rm._worker_num() == 2
+
+
+def test_heter_queries_and_paddle_to_string():
+    w = ps(dict(PS_BASE, TRAINING_ROLE="TRAINER", PADDLE_TRAINER_ID="1"))
+    s = ps(dict(PS_BASE, TRAINING_ROLE="PSERVER", POD_IP="127.0.0.1", PADDLE_PORT="6001"))
+    c = collective({"RANK": "0", "WORLD_SIZE": "2", "PADDLE_TRAINER_ENDPOINTS": "a:1,a:2"})
+    for rm in (w, s, c, ps({})):
+        assert rm._heter_worker_num() == 0 and rm._is_heter_worker() is False
+    # Paddle's Role is a plain int class, so its to_string prints the number.
+    assert s.to_string() == ("role: 2, current_id: 1, worker_endpoints: ['127.0.0.1:6002', "
+                             "'127.0.0.1:6003'], server_endpoints: ['127.0.0.1:6000', "
+                             "'127.0.0.1:6001']")
+    assert w.to_string().startswith("role: 1, current_id: 1, ")
+    assert c.to_string() == ("role: 1, current_id: 0, worker_endpoints: ['a:1', 'a:2'], "
+                             "server_endpoints: []")
 
 
 def test_device_ids_are_read_as_written():
