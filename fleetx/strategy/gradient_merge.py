@@ -10,6 +10,9 @@ runs under DDP's ``no_sync`` (gradients accumulate locally, nothing is sent), th
 and ``zero_grad`` keeps the gradients; the last micro-step synchronises the accumulated gradients
 once and steps. With ``avg`` each micro-step's loss is divided by ``k_steps`` before backward, so
 the merged gradient is the mean over the ``k_steps`` micro-batches.
+
+``optimizer.minimize(loss)`` returns True only on the micro-step that updated the parameters; an
+LR scheduler steps then (``if opt.minimize(loss): scheduler.step()``), so it counts updates.
 """
 from __future__ import annotations
 
@@ -83,7 +86,8 @@ class GradientMergeStrategy(Strategy):
                                 warn=True)
         how = "averaged" if cfg.avg else "summed"
         return Verdict.ok(f"{cfg.k_steps} micro-steps accumulated ({how}) per optimizer step; "
-                          f"gradients communicated once per step")
+                          f"gradients communicated once per step; minimize() returns True on "
+                          f"updates (step LR schedulers then)")
 
     def apply(self, ctx: TrainingContext) -> None:
         cfg = self.strategy.typed_config("gradient_merge")
