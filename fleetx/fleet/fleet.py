@@ -91,13 +91,16 @@ class Fleet:
 
         Args:
             role_maker: where the role comes from; default ``PaddleCloudRoleMaker`` (environment).
-            is_collective: collective (allreduce) job rather than parameter server.
+            is_collective: collective (allreduce) job rather than parameter server. Under a
+                collective launcher with no parameter servers (``WORLD_SIZE``, ``RANK`` or
+                ``PADDLE_TRAINER_ENDPOINTS`` set) the job is collective either way.
             strategy: the :class:`DistributedStrategy` (copied; later edits do not reach fleet).
 
         Raises:
             ValueError: ``is_collective`` is not a bool, or ``role_maker`` is not a role maker.
             TypeError: ``strategy`` is not a ``DistributedStrategy``.
-            fleetx.env.EnvError: the launcher environment is missing or inconsistent.
+            fleetx.env.EnvError: the launcher environment is missing or inconsistent, or
+                ``is_collective=True`` in a parameter-server launch.
         """
         if role_maker is None:
             if not isinstance(is_collective, bool):
