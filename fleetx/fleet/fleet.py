@@ -70,17 +70,11 @@ class Fleet:
         return self._util
 
     @util.setter
-    def util(self, value: UtilBase) -> None:
-        """Replace the util, as Paddle allows (``fleet.util = MyUtil()``): an instance built
-        without a fleet (``super().__init__()``) serves this one.
-
-        Raises:
-            TypeError: ``value`` is not a :class:`UtilBase`.
-        """
-        if not isinstance(value, UtilBase):
-            raise TypeError(f"fleet.util must be a fleet.UtilBase (or a subclass), "
-                            f"got {type(value).__name__}")
-        if value._fleet is None:
+    def util(self, value: Any) -> None:
+        """Replace the util, as Paddle allows (``fleet.util = MyUtil()``): a :class:`UtilBase`
+        built without a fleet (``super().__init__()``) serves this one. Any object is accepted,
+        as in Paddle (metrics only need its ``all_reduce``)."""
+        if isinstance(value, UtilBase) and value._fleet is None:
             value._fleet = self
         self._util = value
 
