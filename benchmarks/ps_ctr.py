@@ -15,7 +15,12 @@ The workload, its timing rule and the aggregation are in ``benchmarks/ps_common.
 ``compare`` the A/B campaign: for each case, fleetx's run and Paddle's
             (``$PADDLE_PS_PY anchors/paddle_ps_run.py``) alternate, each through
             ``anchors/harness.py``; runs with more than ``--max-foreign`` cores of other load are
-            dropped; prints every run and a table of medians and ratios fleetx / Paddle.
+            dropped; prints every run and a table of medians and ratios fleetx / Paddle, then
+            the async ratios with the same sparse rule on both sides (``async_adam_*``: Paddle's
+            async applies Adam to its table, see ``PADDLE_SPARSE_RULE``) beside those with
+            fleetx's table on SGD (``async_1x2``, ``async_2x2``).
+
+The anchors (harness, Paddle's job) live outside the repository: ``benchmarks/README.md``.
 
 Usage:
     python examples/wide_and_deep/gen_criteo.py --lines 200000 --files 10 --out /tmp/fleetx_criteo
@@ -23,6 +28,7 @@ Usage:
     python benchmarks/ps_ctr.py transports --transports tcp,zmq --rounds 5 --mode async
     python benchmarks/ps_ctr.py local
     PADDLE_PS_PY=/tmp/paddle26-venv/bin/python python benchmarks/ps_ctr.py compare --rounds 3
+    python benchmarks/ps_ctr.py compare --cases async_adam_1x2,async_1x2 --rounds 3
 """
 from __future__ import annotations
 
@@ -37,29 +43,56 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
 
+import anchors  # noqa: E402
 import ps_common as pc  # noqa: E402
 from fleetx.ps.api import TRANSPORTS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-ANCHORS = Path(os.environ.get("FLEETX_ANCHORS", ROOT.parent / "shared" / "reference" / "anchors"))
 DEFAULT_DATA = "/tmp/fleetx_criteo"
-# case -> (fleetx mode, servers, sparse rule, Paddle's mode or None when fleetx runs alone)
+# The sparse table's update rule Paddle 2.6.2 applies server-side, per mode: async falls through
+# to SparseAdamSGDRule whatever the program's optimizer (an `if` where an `elif` was meant, in
+# paddle/distributed/ps/the_one_ps.py; its lr is the program's, 0.05, betas 0.9/0.999, eps 1e-8);
+# GEO's table is a dense local copy updated by the program's SGD.
+PADDLE_SPARSE_RULE = {"async": "adam", "geo": "sgd"}
+
+
+class Case(NamedTuple):
+    """One comparison: fleetx's mode, servers and table rule; Paddle's mode (None: fleetx alone)."""
+
+    mode: str
+    servers: int
+    sparse_rule: str
+    paddle_mode: Optional[str]
+
+    def rules(self) -> str:
+        """``"ours/Paddle's"`` sparse rule, e.g. ``adam/adam``; ``sgd`` alone without Paddle."""
+        theirs = PADDLE_SPARSE_RULE.get(self.paddle_mode or "")
+        return f"{self.sparse_rule}/{theirs}" if theirs else self.sparse_rule
+
+    def same_rule(self) -> bool:
+        return PADDLE_SPARSE_RULE.get(self.paddle_mode or "") == self.sparse_rule
+
+
 CASES = {
-    "async_1x2": ("async", 1, "sgd", "async"),
-    "async_2x2": ("async", 2, "sgd", "async"),
-    "geo_1x2": ("geo", 1, "sgd", "geo"),
-    "geo_2x2": ("geo", 2, "sgd", "geo"),
-    "sync_1x2": ("sync", 1, "sgd", None),
-    "sync_2x2": ("sync", 2, "sgd", None),
-    "async_adam_1x2": ("async", 1, "adam", None),
-    "local": ("local", 0, "sgd", None),
+    # the headline: the same sparse rule (Adam) on both sides
+    "async_adam_1x2": Case("async", 1, "adam", "async"),
+    "async_adam_2x2": Case("async", 2, "adam", "async"),
+    # fleetx's table with the program's SGD against Paddle's async (which applies Adam)
+    "async_1x2": Case("async", 1, "sgd", "async"),
+    "async_2x2": Case("async", 2, "sgd", "async"),
+    "geo_1x2": Case("geo", 1, "sgd", "geo"),
+    "geo_2x2": Case("geo", 2, "sgd", "geo"),
+    "sync_1x2": Case("sync", 1, "sgd", None),
+    "sync_2x2": Case("sync", 2, "sgd", None),
+    "local": Case("local", 0, "sgd", None),
 }
 
 
@@ -232,7 +265,7 @@ def cmd_local(args: argparse.Namespace) -> None:
 # -- compare: fleetx and Paddle alternating, through the anchors' harness -------------------------
 def _harnessed(cmd: list, max_wait: float) -> tuple:
     """Run ``cmd`` under ``anchors/harness.py``: (the command's JSON summary, the harness's)."""
-    proc = subprocess.run([sys.executable, str(ANCHORS / "harness.py"), "--max-wait",
+    proc = subprocess.run([sys.executable, str(anchors.require("harness.py")), "--max-wait",
                            str(max_wait), "--", *map(str, cmd)], capture_output=True, text=True,
                           cwd=ROOT)
     bench = [x for x in proc.stdout.splitlines() if x.startswith('{"bench"')]
@@ -251,7 +284,7 @@ def _commands(case: str, args: argparse.Namespace) -> list:
     out = [("fleetx", [sys.executable, HERE / "ps_ctr.py", "run", "--mode", mode, "--servers",
                        servers, "--workers", 2, "--sparse-rule", rule, *common])]
     if paddle_mode is not None:
-        out.append(("paddle", [args.paddle_py, ANCHORS / "paddle_ps_run.py", "--mode",
+        out.append(("paddle", [args.paddle_py, anchors.require(*anchors.PADDLE_PS), "--mode",
                                paddle_mode, "--servers", servers, "--workers", 2, *common]))
     return out
 
@@ -265,20 +298,43 @@ def _cell(value, spec: str, width: int) -> str:
     return format(value, spec).rjust(width) if value is not None else "-".rjust(width)
 
 
+def _side(runs: list, case: str, paddle: bool, kept_only: bool) -> list:
+    return [r for r in runs if r["case"] == case and (r["side"] == "paddle") == paddle
+            and (r["kept"] or not kept_only)]
+
+
+def _ratio(runs: list, case: str, kept_only: bool = True) -> Optional[float]:
+    """Median samples/s of fleetx's (or torch's) runs over Paddle's, for ``case``: of the kept
+    runs, or (``kept_only=False``) of every run that finished."""
+    a = _median(_side(runs, case, False, kept_only), "samples_per_s")
+    b = _median(_side(runs, case, True, kept_only), "samples_per_s")
+    return a / b if a and b else None
+
+
 def _summary(runs: list, cases: list) -> None:
-    """Per case: medians of the kept runs, the ratio ours / Paddle, AUC medians (all runs)."""
-    print(f"\n{'case':16} {'ours samples/s':>15} {'Paddle samples/s':>17} {'ratio':>6} "
-          f"{'our AUC':>8} {'Paddle AUC':>10}  kept ours, Paddle")
+    """Per case: medians of the kept runs, the ratio ours / Paddle (of the kept runs, and of all
+    runs: Paddle's own servers read as foreign load, see docs/benchmarks.md), AUC medians (all
+    runs); then the async ratios with the same sparse rule on both sides (the headline) and with
+    SGD on fleetx's table."""
+    print(f"\n{'case':16} {'rule ours/Paddle':>16} {'ours samples/s':>15} "
+          f"{'Paddle samples/s':>17} {'ratio':>6} {'all runs':>8} {'our AUC':>8} "
+          f"{'Paddle AUC':>10}  kept ours, Paddle")
     for case in cases:
-        mine = [r for r in runs if r["case"] == case and r["side"] != "paddle"]
-        theirs = [r for r in runs if r["case"] == case and r["side"] == "paddle"]
+        mine, theirs = _side(runs, case, False, False), _side(runs, case, True, False)
         a = _median([r for r in mine if r["kept"]], "samples_per_s")
         b = _median([r for r in theirs if r["kept"]], "samples_per_s")
-        print(f"{case:16} {_cell(a, '.0f', 15)} {_cell(b, '.0f', 17)} "
-              f"{_cell(a / b if a and b else None, '.2f', 6)} "
+        print(f"{case:16} {CASES[case].rules():>16} {_cell(a, '.0f', 15)} {_cell(b, '.0f', 17)} "
+              f"{_cell(_ratio(runs, case), '.2f', 6)} {_cell(_ratio(runs, case, False), '.2f', 8)} "
               f"{_cell(_median(mine, 'auc'), '.4f', 8)} {_cell(_median(theirs, 'auc'), '.4f', 10)}"
               f"  {sum(r['kept'] for r in mine)}/{len(mine)}, "
               f"{sum(r['kept'] for r in theirs)}/{len(theirs)}")
+    for title, same in (("same sparse rule on both sides (Adam), the headline", True),
+                        ("fleetx's table on SGD, Paddle's on Adam", False)):
+        cells = [f"{c} {_cell(_ratio(runs, c), '.2f', 0)} (all runs "
+                 f"{_cell(_ratio(runs, c, False), '.2f', 0)})" for c in cases
+                 if CASES[c].paddle_mode == "async" and CASES[c].same_rule() == same]
+        if cells:
+            print(f"async, fleetx / Paddle, {title}: {'; '.join(cells)}")
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
@@ -286,9 +342,13 @@ def cmd_compare(args: argparse.Namespace) -> None:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
-    if any(CASES[c][3] for c in cases) and not os.path.exists(args.paddle_py):
-        raise SystemExit(f"Paddle's python {args.paddle_py} not found: set PADDLE_PS_PY or run "
-                         f"bash {ANCHORS / 'setup_envs.sh'}")
+    anchors.require("harness.py")
+    if any(CASES[c].paddle_mode for c in cases):
+        anchors.require(*anchors.PADDLE_PS)
+        if not os.path.exists(args.paddle_py):
+            raise SystemExit(f"Paddle's python {args.paddle_py} not found: set PADDLE_PS_PY or "
+                             "--paddle-py, or build the venv as benchmarks/README.md says "
+                             "(section 'Paddle 2.6.2 for the parameter-server comparison')")
     if not any(Path(args.data).glob("part-*")):
         subprocess.run([sys.executable, ROOT / "examples/wide_and_deep/gen_criteo.py", "--lines",
                         str(args.lines), "--files", "10", "--out", args.data], check=True)

@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import anchors
+
 HERE = Path(__file__).resolve()
-# ../shared beside the repository, where every developer and CI has it
-DEFAULT_HARNESS = Path(__file__).resolve().parents[2] / "shared/reference/anchors/harness.py"
 # Both launchers get the same environment: gloo on loopback (the host name need not resolve).
 _ENV = ["env", "GLOO_SOCKET_IFNAME=lo"]
 
@@ -111,13 +111,16 @@ def main() -> None:
                     help="discard runs with more foreign load than this, in cores (default 0.1)")
     ap.add_argument("--max-wait", type=float, default=120,
                     help="seconds the harness waits for a quiet machine per run (default 120)")
-    ap.add_argument("--harness", type=Path, default=DEFAULT_HARNESS)
+    ap.add_argument("--harness", type=Path,
+                    help="anchors/harness.py (default: found as benchmarks/README.md says)")
     ap.add_argument("--worker", metavar="READY_FILE", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker)
-    if not args.harness.exists():
-        ap.error(f"harness not found: {args.harness}")
+    if args.harness is None:
+        args.harness = anchors.require("harness.py")
+    elif not args.harness.is_file():
+        ap.error(f"--harness {args.harness}: no such file")
     runs = []
     with tempfile.TemporaryDirectory(prefix="fleetx-startup-") as tmp:
         for _ in range(args.pairs):
