@@ -64,3 +64,19 @@ def test_require_returns_the_first_path_when_all_exist(tmp_path, monkeypatch):
     assert anchors.folder() == ROOT.parent / "shared" / "reference" / "anchors"
     with pytest.raises(anchors.MissingAnchor, match="no_such_anchor.py, not found in"):
         anchors.require("no_such_anchor.py")
+
+
+def test_ps_ctr_compare_names_a_missing_paddle_venv(tmp_path):
+    folder = tmp_path / "anchors"
+    folder.mkdir()
+    for name in ("harness.py", *anchors.PADDLE_PS):
+        (folder / name).write_text("")
+    venv = tmp_path / "no-venv" / "bin" / "python"
+    proc = _run([str(ROOT / "benchmarks/ps_ctr.py"), "compare", "--cases", "async_adam_1x2",
+                 "--data", str(tmp_path / "data"), "--paddle-py", str(venv)], folder, tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"Paddle's python {venv} not found: set PADDLE_PS_PY or --paddle-py, or build the venv "
+        "as benchmarks/README.md says (section 'Paddle 2.6.2 for the parameter-server "
+        "comparison')")
+    assert not (tmp_path / "data").exists()
