@@ -1,4 +1,4 @@
-"""Bytes each rank sends and receives per step: dense data parallel against DGC, at 2, 4 and 8 ranks.
+"""Bytes each rank sends and receives per step: dense data parallel against DGC at 2, 4, 8 ranks.
 
 DGC shrinks what a rank contributes, but it exchanges its top-k entries with an all-gather, and
 an all-gather grows with the number of ranks where an all-reduce does not. Per rank and step,
@@ -227,7 +227,8 @@ def main() -> None:
     parser.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
     parser.add_argument("--steps", type=int, default=3, help="counted steps per case")
     parser.add_argument("--warmup", type=int, default=2, help="steps before counting")
-    parser.add_argument("--batch", type=int, default=16, help="per rank (bytes do not depend on it)")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="per rank (bytes do not depend on it)")
     args = parser.parse_args()
     model = make_model(args.model)[0]
     print(f"model {args.model}: {sum(p.numel() for p in model.parameters()):,} parameters; "
