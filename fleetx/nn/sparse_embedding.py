@@ -10,7 +10,7 @@ which is exactly the de-duplicated gradient the servers want. After ``backward()
 
 The backend (anything with ``lookup(table, ids) -> rows`` where rows has ``ids``, ``values``,
 ``inverse``) is bound by the training layer: the parameter-server client in distributed runs,
-or a local table (:class:`fleetx.ps.layout.LocalSparseBackend`) in one process. A backend that
+or a local table (:class:`fleetx.ps_torch.layout.LocalSparseBackend`) in one process. A backend that
 also has ``defer(table, ids, create)`` batches lookups: the module registers its ids and returns
 a :class:`~fleetx.nn.deferred.DeferredRows`, and the rows of every lookup registered before the
 first use of any of them arrive in one request per server.
@@ -99,7 +99,7 @@ class SparseEmbedding(nn.Module):
         batching backend) at its first use."""
         if self._backend is None or self.table_name is None:
             raise RuntimeError(f"SparseEmbedding {self.table_name!r} is not bound to a table; lay "
-                               "the model out with fleetx.ps.layout.ModelLayout and bind a backend")
+                               "the model out with fleetx.ps_torch.layout.ModelLayout and bind a backend")
         if ids.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{type(self).__name__} expects integer ids, got {ids.dtype}")
         flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)

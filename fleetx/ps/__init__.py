@@ -12,26 +12,24 @@ Layers, bottom up (each imports only the ones below it and the contract in :mod:
 * :mod:`.requests` - every request's fields checked against the tables before they change.
 * :mod:`.rounds` - sync rounds and barriers waiting for workers, and who stalls them.
 * :mod:`.server` - a server process; :mod:`.client` - a worker's KV client.
-* :mod:`.communicator`, :mod:`.async_communicator`, :mod:`.geo` - what a training step sends in
-  sync, async and GEO mode; :func:`make_communicator` picks one.
 * :mod:`.checkpoint` - what a save holds and what a load accepts (atomic and verified through
   :mod:`fleetx.checkpoint`).
 
-Nothing here imports torch; :mod:`fleetx.ps.layout` and :mod:`fleetx.nn` adapt torch models,
-and :mod:`fleetx.ps.runtime` is what the fleet's runtime calls and optimizer steps do.
+This package is the server-side core (the ps-lite shape) and nothing here imports torch or any
+other fleetx package but :mod:`fleetx.env` and :mod:`fleetx.checkpoint`. What a training step
+sends (the communicators) and how a torch model is split into tables live in the adapter,
+:mod:`fleetx.ps_torch`, which imports this package and never the other way round.
 See ``docs/parameter_server.md``.
 """
 from fleetx.ps.api import (AuthError, CommunicatorConfig, ConfigError, DenseTableSpec, InitConfig,
                            Mode, PeerLostError, ProtocolError, PSConfig, PSError, PSTimeoutError,
                            RemoteError, RequestError, RuleConfig, SparseTableSpec, Tables)
 from fleetx.ps.client import KVClient, PullResult, SparseRows
-from fleetx.ps.communicator import Communicator
 from fleetx.ps.server import PSServer, run_server
-from fleetx.ps.worker import make_communicator
 
 __all__ = [
     "AuthError", "CommunicatorConfig", "ConfigError", "DenseTableSpec", "InitConfig", "Mode",
     "PeerLostError", "ProtocolError", "PSConfig", "PSError", "PSTimeoutError", "RemoteError",
     "RequestError", "RuleConfig", "SparseTableSpec", "Tables", "KVClient", "PullResult", "SparseRows",
-    "Communicator", "PSServer", "run_server", "make_communicator",
+    "PSServer", "run_server",
 ]

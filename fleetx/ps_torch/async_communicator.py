@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from fleetx.ps.api import Mode, PSError
-from fleetx.ps.communicator import Communicator
+from fleetx.ps_torch.communicator import Communicator
 
 __all__ = ["AsyncCommunicator"]
 

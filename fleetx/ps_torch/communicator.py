@@ -14,7 +14,7 @@ drives it with plain numpy arrays (views of the model's tensors):
 * ``set_lr``, ``barrier``, ``save``, ``flush``, ``stop``.
 
 Modes: :class:`SyncCommunicator` here; ``AsyncCommunicator`` and ``GeoCommunicator`` in their
-own modules; :func:`fleetx.ps.worker.make_communicator` picks by ``PSConfig.mode``.
+own modules; :func:`fleetx.ps_torch.worker.make_communicator` picks by ``PSConfig.mode``.
 """
 from __future__ import annotations
 

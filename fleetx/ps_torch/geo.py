@@ -21,7 +21,7 @@ import numpy as np
 from fleetx.ps import kernels
 from fleetx.ps.api import Mode
 from fleetx.ps.client import PullResult, SparseRows
-from fleetx.ps.communicator import Communicator
+from fleetx.ps_torch.communicator import Communicator
 from fleetx.ps.rules import Rule, make_rule
 from fleetx.ps.table import SparseTable
 from fleetx.ps.tracker import Handle

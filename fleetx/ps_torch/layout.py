@@ -1,7 +1,7 @@
 """Lay a torch model and optimizer out as parameter-server tables; move values between them.
 
-This is the seam the fleet layer uses (the only module of the parameter server that imports
-torch):
+This is the seam the fleet layer uses (with :mod:`.runtime` and :mod:`.progress`, the modules of
+the parameter server that import torch):
 
 * :meth:`ModelLayout.of` turns ``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)``
   modules into bounded :class:`~fleetx.nn.SparseEmbedding` / ``SparseEmbeddingBag`` tables that

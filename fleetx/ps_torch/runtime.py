@@ -32,12 +32,12 @@ from fleetx.checkpoint import SaveWriter
 from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint
 from fleetx.ps.api import CommunicatorConfig, Mode, PSConfig, StateError
-from fleetx.ps.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
-from fleetx.ps.progress import CountedModel, Progress
+from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
+from fleetx.ps_torch.progress import CountedModel, Progress
 from fleetx.ps.rules import make_rule
 from fleetx.ps.server import run_server
 from fleetx.ps.table import DenseTable
-from fleetx.ps.worker import make_communicator
+from fleetx.ps_torch.worker import make_communicator
 
 __all__ = ["PSRuntime", "PSOptimizer"]
 

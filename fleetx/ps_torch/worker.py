@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 from fleetx.ps.api import CommunicatorConfig, Mode, PSConfig, Tables
-from fleetx.ps.async_communicator import AsyncCommunicator
-from fleetx.ps.communicator import Communicator, SyncCommunicator
-from fleetx.ps.geo import GeoCommunicator
+from fleetx.ps_torch.async_communicator import AsyncCommunicator
+from fleetx.ps_torch.communicator import Communicator, SyncCommunicator
+from fleetx.ps_torch.geo import GeoCommunicator
 
 __all__ = ["make_communicator"]
 

@@ -14,7 +14,7 @@ communicator: its send queues, merging of queued gradients and threads.
 
 :class:`ParameterServerStrategy` is implicit in parameter-server jobs: it lays the model out as
 tables (``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)`` become server-side
-tables), installs the :class:`~fleetx.ps.runtime.PSRuntime` behind ``fleet.init_worker`` /
+tables), installs the :class:`~fleetx.ps_torch.runtime.PSRuntime` behind ``fleet.init_worker`` /
 ``init_server`` / ``run_server`` / ``stop_worker`` / ``save_persistables``, and routes every
 optimizer step through it. Without servers (a script started without a launcher) it trains in
 the process with the same tables and rules.
@@ -28,7 +28,7 @@ from fleetx import env
 from fleetx.comm.groups import default_timeout
 from fleetx.ps.api import CommunicatorConfig, PSConfig, RuleConfig
 from fleetx.ps.handshake import settings_from_env
-from fleetx.ps.runtime import PSRuntime
+from fleetx.ps_torch.runtime import PSRuntime
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
 

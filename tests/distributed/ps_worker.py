@@ -23,7 +23,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from ps_cluster import DIM, NUMEL, VOCAB, batch, forward_backward, initial_dense  # noqa: E402
 
-from fleetx.ps import CommunicatorConfig, PSConfig, PSError, Tables, make_communicator  # noqa
+from fleetx.ps import CommunicatorConfig, PSConfig, PSError, Tables  # noqa
+from fleetx.ps_torch import make_communicator  # noqa
 
 
 def main():

@@ -23,7 +23,8 @@ _WORKER = textwrap.dedent("""
     import json, os, signal, sys
     import numpy as np
     from fleetx.checkpoint import SaveWriter
-    from fleetx.ps import PSConfig, Tables, make_communicator
+    from fleetx.ps import PSConfig, Tables
+    from fleetx.ps_torch import make_communicator
     cfg, tables, ckpt, out = (PSConfig(**json.loads(sys.argv[1])), Tables.from_json(sys.argv[2]),
                               sys.argv[3], sys.argv[4])
     comm = make_communicator(cfg, 0, tables)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fleetx.ps import (CommunicatorConfig, ConfigError, DenseTableSpec, InitConfig, KVClient,
-                       PSConfig, PSServer, RuleConfig, SparseTableSpec, Tables,
-                       make_communicator)
+                       PSConfig, PSServer, RuleConfig, SparseTableSpec, Tables)
+from fleetx.ps_torch import make_communicator
 from fleetx.checkpoint import SaveWriter
 from fleetx.ps.initializers import initial_rows
 

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from fleetx.nn import SparseEmbedding
-from fleetx.ps import InitConfig, PSConfig, PSServer, RuleConfig, make_communicator
+from fleetx.ps import InitConfig, PSConfig, PSServer, RuleConfig
+from fleetx.ps_torch import make_communicator
 from fleetx.ps.initializers import initial_rows
-from fleetx.ps.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
+from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 
 
 class Net(nn.Module):

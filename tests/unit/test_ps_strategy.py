@@ -12,7 +12,7 @@ from torch import nn
 from fleetx.fleet import Fleet, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from fleetx.nn import SparseEmbedding, SparseEmbeddingBag
 from fleetx.ps.api import CommunicatorConfig, StateError
-from fleetx.ps.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
+from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.strategy.api import StrategyError
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 
