@@ -97,7 +97,12 @@ class _FleetModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _FleetModule
 
-from fleetx import metrics  # noqa: E402  (fleet.metrics, as in Paddle; uses fleet.util lazily)
+from fleetx import metrics  # noqa: E402  (fleet.metrics, as in Paddle)
+from fleetx.metrics.api import set_default_util  # noqa: E402
+
+# metrics called with util=None use fleet.util, read at each call (users may replace it); the
+# fleet hands it over here so that metrics never import the fleet
+set_default_util(lambda: sys.modules[__name__].util)
 
 __all__ = [
     "metrics", "Fleet", "FleetError", "RuntimeHandlerError", "DistributedStrategy", "Role", "RoleMakerBase", "PaddleCloudRoleMaker",

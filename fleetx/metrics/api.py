@@ -7,11 +7,12 @@ called, so a user who assigns ``fleet.util = MyUtil()`` gets their util here too
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import numpy as np
 
-__all__ = ["Reducer", "Gatherer", "MetricError", "resolve_util", "as_array", "all_reduce"]
+__all__ = ["Reducer", "Gatherer", "MetricError", "resolve_util", "set_default_util", "as_array",
+           "all_reduce"]
 
 
 class Reducer(Protocol):
@@ -39,12 +40,35 @@ class MetricError(ValueError):
     """
 
 
+# Where ``util=None`` comes from. ``fleetx.fleet`` installs ``lambda: fleet.util`` when it loads
+# (it imports metrics, as ``fleet.metrics``): metrics never import the fleet, so the two packages
+# form no import cycle, and a process that never loaded the fleet has no default to fall back on.
+_default_util: Optional[Callable[[], Reducer]] = None
+
+
+def set_default_util(provider: Optional[Callable[[], Reducer]]) -> None:
+    """Make ``provider()`` the util a metric called with ``util=None`` uses (read at each call,
+    so a replaced ``fleet.util`` is seen). ``fleetx.fleet`` calls this when it is imported.
+
+    Args:
+        provider: a function returning the reducer, or None to remove the default.
+    """
+    global _default_util
+    _default_util = provider
+
+
 def resolve_util(util: Optional[Reducer]) -> Reducer:
-    """``util``, or ``fleet.util`` (looked up now: users may replace it) when it is None."""
+    """``util``, or ``fleet.util`` (looked up now: users may replace it) when it is None.
+
+    Raises:
+        MetricError: ``util`` is None and ``fleetx.fleet`` was never imported.
+    """
     if util is not None:
         return util
-    from fleetx import fleet  # late: metrics work with any reducer and need not load the fleet
-    return fleet.util
+    if _default_util is None:
+        raise MetricError("util=None means fleet.util, but fleetx.fleet is not loaded: "
+                          "`from fleetx import fleet` and call fleet.init() first, or pass util=")
+    return _default_util()
 
 
 def as_array(value: Any, scope: Optional[Mapping[str, Any]] = None,

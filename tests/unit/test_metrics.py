@@ -152,6 +152,23 @@ def test_default_util_is_fleet_util(monkeypatch):
     assert metrics.sum(np.array([[1, 2]])).tolist() == [[2, 3]]
 
 
+def test_no_default_util_until_the_fleet_is_loaded():
+    # metrics never import the fleet (no import cycle): the fleet hands its util over on import
+    import subprocess
+    import sys
+    code = ("import numpy as np\nfrom fleetx import metrics\n"
+            "try:\n    metrics.sum(np.array([1.0]))\n"
+            "except metrics.MetricError as e:\n    print(e)\n"
+            "from fleetx import fleet\n"
+            "fleet.util = type('U', (), {'all_reduce': lambda s, x, mode='sum': x * 2})()\n"
+            "print(metrics.sum(np.array([1.0])).tolist())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "util=None means fleet.util, but fleetx.fleet is not loaded: `from fleetx import fleet` "
+        "and call fleet.init() first, or pass util=", "[2.0]"]
+
+
 def test_one_process_fleet_reduces_to_itself():
     from fleetx.fleet import Fleet
     from fleetx.role_maker import UserDefinedRoleMaker
