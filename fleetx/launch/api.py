@@ -86,6 +86,7 @@ class NodeSetup:
             processes (the interface of ``own_addr`` in a multi-node job), or None to leave it.
         launcher_pid: pid of the fleetrun process; a process whose parent is no longer this pid
             exits at once (the launcher died while it started).
+        module: the script is a module name, run as ``python -m`` runs it (``fleetrun -m``).
     """
 
     log_dir: str
@@ -99,6 +100,7 @@ class NodeSetup:
     gloo_ifname: Optional[str] = None
     nccl_ifname: Optional[str] = None
     launcher_pid: int = 0
+    module: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -208,12 +208,13 @@ def _redirect_output(path: str, fresh: bool) -> None:
 
 
 def _main_ps(argv: Sequence[str]) -> None:
-    """A parameter-server process: ``SETUP`` is ``{"log": path, "launcher_pid": pid}``."""
+    """A parameter-server process: ``SETUP`` is ``{"log": path, "launcher_pid": pid}``, and
+    ``"module": true`` when the script is a module name (``fleetrun -m``)."""
     setup = json.loads(argv[0])
     _die_with_launcher(int(setup["launcher_pid"]))
     _start_guardian()
     _redirect_output(setup["log"], fresh=True)
-    run_script(argv[1], argv[2:])
+    run_script(argv[1], argv[2:], module=bool(setup.get("module")))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -239,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         known = endpoints or [own_endpoint(setup, local_rank)]
         logs.write_endpoints(setup.log_dir, list(known))
     _redirect_output(logs.worker_log(setup.log_dir, rank), fresh=not restarted)
-    run_script(script, args)
+    run_script(script, args, module=setup.module)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Collection, NoReturn, Optional
 
 from fleetx import env
-from fleetx.launch import bootstrap, hosts, logs
+from fleetx.launch import bootstrap, hosts, logs, script
 from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError, LaunchError, NodeSetup
 from fleetx.launch.config import LaunchConfig
 
@@ -66,6 +66,7 @@ class CollectivePlan:
         notes: one-line remarks for the user (defaults fleetrun chose).
         timeout: seconds the node-level rendezvous waits for the other nodes
             (``FLEETX_TIMEOUT``).
+        shown: the global ranks whose output fleetrun copies to its stdout, or ``"all"``.
     """
 
     nproc: int
@@ -80,10 +81,20 @@ class CollectivePlan:
     script_args: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
     timeout: float = 300.0
+    shown: object = (0,)
 
     @property
     def elastic(self) -> bool:
         return self.min_nodes < self.max_nodes
+
+    def shown_here(self) -> list[int]:
+        """The shown ranks this node may run: its own in a static job; in an elastic one, whose
+        ranks are assigned at the rendezvous, any of the job's."""
+        if self.elastic:
+            ranks = range(self.nproc * self.max_nodes)
+        else:
+            ranks = range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc)
+        return [r for r in ranks if self.shown == "all" or r in self.shown]
 
     def describe(self) -> str:
         where = (f"elastic, {self.min_nodes}..{self.max_nodes} nodes" if self.elastic
@@ -230,11 +241,11 @@ def plan(config: LaunchConfig, *, cuda_count: Optional[int] = None,
                       node_addrs=tuple(node_addrs), own_addr=own_addr, ports=ports,
                       devices=devices, visible_devices=visible_devices, omp_threads=omp,
                       gloo_ifname=gloo_ifname, nccl_ifname=nccl_ifname,
-                      launcher_pid=launcher_pid)
+                      launcher_pid=launcher_pid, module=config.module)
     return CollectivePlan(nproc, low, high, node_rank, master_addr, master_port,
                           config.max_restarts, setup, config.training_script,
                           tuple(config.training_script_args), tuple(notes + ifname_notes),
-                          float(timeout))
+                          float(timeout), config.shown_ranks())
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -252,7 +263,7 @@ def _rendezvous(p: CollectivePlan):
 
 def _tail(p: CollectivePlan, rank: int, header: str) -> list[str]:
     path = logs.worker_log(p.setup.log_dir, rank)
-    if rank == 0 and p.node_rank in (0, None):  # copied to stdout as it grew: not twice
+    if rank in p.shown_here():  # copied to stdout as it grew: not twice
         return logs.shown_above(header, path)
     lines = [f"{header}; last {_TAIL_LINES} lines of {path}:"]
     return lines + ([f"    {line}" for line in logs.last_lines(path, _TAIL_LINES)]
@@ -318,14 +329,20 @@ def run(p: CollectivePlan) -> int:
     from fleetx.launch import agent
 
     logs.prepare_dir(p.setup.log_dir)
+    if p.max_nodes == 1 or p.node_rank == 0:
+        # Before the rendezvous: no process of the job, on any node, has started yet.
+        for note in logs.archive_earlier(p.setup.log_dir):
+            print(f"fleetrun: {note}", flush=True)
     handler = _rendezvous(p)
-    follower = None
+    followers = []
     args = ("-u", "-m", "fleetx.launch.bootstrap", p.setup.to_json(), p.script, *p.script_args)
     result, stopped_by = None, None
     try:
-        if p.node_rank in (0, None):
-            follower = logs.LogFollower(logs.worker_log(p.setup.log_dir, 0), sys.stdout.buffer)
-            follower.start()
+        shown = p.shown_here()
+        for rank in shown:
+            followers.append(logs.LogFollower(
+                logs.worker_log(p.setup.log_dir, rank), sys.stdout.buffer,
+                prefix=f"[rank {rank}] " if len(shown) > 1 else None).start())
         result = agent.run_agent(
             handler, p.nproc, sys.executable, args, max_restarts=p.max_restarts,
             local_addr=p.setup.own_addr, log_dir=p.setup.log_dir,
@@ -334,7 +351,7 @@ def run(p: CollectivePlan) -> int:
     except SignalException as exc:
         stopped_by = signal.Signals(exc.sigval)
     finally:
-        if follower:
+        for follower in followers:
             follower.stop()
     if result is not None and result.is_failed():
         _report_failure(p, result.failures)
@@ -364,8 +381,9 @@ def dry_run_env(p: CollectivePlan) -> dict[str, str]:
 
 def _plan_here(config: LaunchConfig, **probes) -> CollectivePlan:
     """:func:`plan` with what the environment says (the user's variables); ``probes`` go on."""
-    if not os.path.isfile(config.training_script):
-        raise ConfigError("training_script", f"{config.training_script}: no such file")
+    problem = script.entrypoint_problem(config.training_script, config.module)
+    if problem:
+        raise ConfigError("training_script", problem)
     visible = env.get_list("CUDA_VISIBLE_DEVICES") if env.is_set("CUDA_VISIBLE_DEVICES") else None
     return plan(config, visible=visible, user_omp=env.get("OMP_NUM_THREADS"),
                 user_ifnames=[name for name in _IFNAME_VARS if env.is_set(name)],
@@ -407,7 +425,8 @@ def dry_run(config: LaunchConfig) -> NoReturn:
           f"are unset, so a script that calls torch.distributed.init_process_group itself stops "
           f"there with an error", flush=True)
     sys.stderr.flush()  # anything still buffered would vanish with this process image
-    os.execve(sys.executable, [sys.executable, "-u", p.script, *p.script_args], child)
+    module = ["-m"] if config.module else []
+    os.execve(sys.executable, [sys.executable, "-u", *module, p.script, *p.script_args], child)
 
 
 def launch(config: LaunchConfig) -> int:

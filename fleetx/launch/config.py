@@ -90,6 +90,26 @@ def _node_range(value: Any) -> Optional[str]:
     return None
 
 
+def _ranks(text: str) -> Any:
+    """``all``, or comma-separated ranks as a sorted tuple of ints."""
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        return tuple(sorted({int(item) for item in _items(text)}))
+    except ValueError:
+        raise ValueError(f"expected 'all' or comma-separated ranks such as 0,1, got {text!r}") \
+            from None
+
+
+def _rank_list(value: Any) -> Optional[str]:
+    if value is None or value == "all":
+        return None
+    if not isinstance(value, tuple) or not value or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return f"expected 'all' or ranks >= 0, got {value!r}"
+    return None
+
+
 def _endpoint_list(value: Any) -> Optional[str]:
     if value is None:
         return None
@@ -118,7 +138,8 @@ class LaunchConfig:
     """
 
     training_script: str = _flag(
-        "the script every process runs (with `python -u`)", None, positional=True)
+        "the script every process runs (with `python -u`); with -m, a module name",
+        None, positional=True)
     training_script_args: tuple[str, ...] = _flag(
         "arguments passed on to the training script", (), positional=True, rest=True,
         parse=lambda s: (s,))
@@ -141,6 +162,17 @@ class LaunchConfig:
         "job), without peers: it prints the plan of strategies at fleet.distributed_optimizer "
         "and exits 0 before any communication",
         False, aliases=("--dry-run",), switch=True, parse=lambda s: s)
+    module: bool = _flag(
+        "run training_script as a module, as `python -m` would (the current folder first on "
+        "sys.path)", False, aliases=("-m",), switch=True, parse=lambda s: s)
+    log_ranks: Any = _flag(
+        "ranks whose output is shown live here, comma-separated, or all (a parameter-server "
+        "job: worker indices); with several, each line starts with [rank N]. Every rank's "
+        "output is in its log file either way; default: 0",
+        parse=_ranks, check=_rank_list, metavar="RANKS|all")
+    tee: bool = _flag(
+        "show every rank's output live here, each line starting with [rank N]: the same as "
+        "--log_ranks all", False, switch=True, parse=lambda s: s)
     max_restarts: int = _flag(
         "times the whole worker group is restarted after a failure before fleetrun gives up",
         0, parse=_int, check=_at_least(0), metavar="N")
@@ -204,6 +236,15 @@ class LaunchConfig:
     def _check_combination(self) -> None:
         if not self.training_script:
             raise ConfigError("training_script", "the script to run is required")
+        if self.tee and self.training_script in ("0", "1", "2", "3"):
+            # torchrun's --tee takes a stream number; here the number became the script.
+            raise ConfigError("--tee", f"takes no value in fleetrun (it shows every rank's "
+                                       f"output; each rank's log holds stdout and stderr), but "
+                                       f"{self.training_script} followed it: remove the "
+                                       f"{self.training_script}")
+        if self.tee and self.log_ranks is not None:
+            raise ConfigError("--tee", "shows every rank and --log_ranks chooses some: give "
+                                       "one of them")
         if self.gpus and self.nproc_per_node and self.nproc_per_node != len(self.gpus):
             raise ConfigError("--nproc_per_node", f"is {self.nproc_per_node} but --gpus lists "
                               f"{len(self.gpus)} GPU(s); fleetrun starts one process per GPU")
@@ -231,6 +272,13 @@ class LaunchConfig:
         parts = [int(p) for p in self.nnodes.split(":")]
         return parts[0], parts[-1]
 
+    def shown_ranks(self) -> Any:
+        """The ranks whose output is copied live to fleetrun's stdout: ``"all"`` or a tuple of
+        ints (``(0,)`` unless ``--log_ranks`` or ``--tee`` says otherwise)."""
+        if self.tee:
+            return "all"
+        return (0,) if self.log_ranks is None else self.log_ranks
+
     @property
     def is_elastic(self) -> bool:
         """True for ``--nnodes MIN:MAX`` with MIN < MAX: nodes may join and leave."""
@@ -251,5 +299,5 @@ def _flag_name(name: str) -> str:
 
 def _show(value: Any) -> str:
     if isinstance(value, tuple):
-        return ",".join(value)
+        return ",".join(map(str, value))
     return str(value)

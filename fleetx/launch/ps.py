@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from fleetx import env
-from fleetx.launch import banner, hosts, logs
+from fleetx.launch import banner, hosts, logs, script
 from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError, LaunchError
 from fleetx.launch.config import LaunchConfig
 
@@ -89,6 +89,13 @@ class PSPlan:
     notes: tuple[str, ...] = ()
     launcher_pid: int = 0
     secret: Optional[str] = field(default=None, repr=False, compare=False)  # generated here
+    module: bool = False  # the script is a module name (fleetrun -m)
+    shown: object = (0,)  # workers whose output fleetrun shows ("all" or indices)
+
+    def shown_here(self) -> list["PSProcess"]:
+        """This node's workers whose output fleetrun copies to its stdout."""
+        return [proc for proc in self.local if proc.role == "worker"
+                and (self.shown == "all" or proc.index in self.shown)]
 
     @property
     def single_node(self) -> bool:
@@ -214,7 +221,8 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
                                                          omp), **shared})
                   for role, i, ep in mine)
     return PSPlan(servers, workers, local, log_dir, config.training_script,
-                  tuple(config.training_script_args), tuple(notes), launcher_pid, secret)
+                  tuple(config.training_script_args), tuple(notes), launcher_pid, secret,
+                  config.module, config.shown_ranks())
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -232,7 +240,8 @@ class _Job:
             if self.plan.secret:  # in the environment only: not in the banner, not in argv
                 env.apply({"FLEETX_PS_SECRET": self.plan.secret}, child)
             setup = json.dumps({"log": proc.log_path(self.plan.log_dir),
-                                "launcher_pid": self.plan.launcher_pid})
+                                "launcher_pid": self.plan.launcher_pid,
+                                "module": self.plan.module})
             self.procs[proc] = subprocess.Popen(
                 [sys.executable, "-u", "-m", "fleetx.launch.bootstrap", "--ps", setup,
                  self.plan.script, *self.plan.script_args],
@@ -269,7 +278,7 @@ def _report_failure(p: PSPlan, failed: list, codes: dict) -> None:
         code = codes[proc]
         how = logs.describe_exit(code)
         path = proc.log_path(p.log_dir)
-        if proc.role == "worker" and proc.index == 0:  # copied to stdout as it grew: not twice
+        if proc in p.shown_here():  # copied to stdout as it grew: not twice
             lines += logs.shown_above(f"{proc.name} {how}", path)
             continue
         lines.append(f"{proc.name} {how}; last {_TAIL_LINES} lines of {path}:")
@@ -332,15 +341,17 @@ def run(p: PSPlan) -> int:
     """
     logs.prepare_dir(p.log_dir)
     _check_server_ports(p)
+    if p.single_node:  # on several nodes another node's processes may already write here
+        for note in logs.archive_earlier(p.log_dir):
+            print(f"fleetrun: {note}", flush=True)
     first = {proc.role: proc for proc in reversed(p.local)}
     for proc in (first.get("server"), first.get("worker")):
         if proc is not None:
             print(banner.envs_table(proc.env), flush=True)
-    follower = None
-    worker0 = next((proc for proc in p.local if proc.role == "worker" and proc.index == 0),
-                   None)
-    if worker0 is not None:
-        follower = logs.LogFollower(worker0.log_path(p.log_dir), sys.stdout.buffer).start()
+    shown = p.shown_here()
+    followers = [logs.LogFollower(proc.log_path(p.log_dir), sys.stdout.buffer,
+                                  prefix=f"[worker {proc.index}] " if len(shown) > 1 else None
+                                  ).start() for proc in shown]
     stop_requested: list = []
     previous = {sig: signal.signal(sig, lambda s, _: stop_requested.append(signal.Signals(s)))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -352,7 +363,7 @@ def run(p: PSPlan) -> int:
         job.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if follower:
+        for follower in followers:
             follower.stop()
     if code == EXIT_OK:
         if any(proc.role == "server" for proc in p.local):
@@ -368,8 +379,9 @@ def dry_run(config: LaunchConfig) -> int:
     The fleet prints the plan at ``distributed_optimizer`` and exits 0 before communicating;
     the script's exit code is fleetrun's.
     """
-    if not os.path.isfile(config.training_script):
-        raise ConfigError("training_script", f"{config.training_script}: no such file")
+    problem = script.entrypoint_problem(config.training_script, config.module)
+    if problem:
+        raise ConfigError("training_script", problem)
     p = plan(config, is_local=lambda addr: True, user_omp=env.get("OMP_NUM_THREADS"))
     worker0 = next(proc for proc in p.local if proc.role == "worker" and proc.index == 0)
     child = dict(env.environ)
@@ -377,7 +389,8 @@ def dry_run(config: LaunchConfig) -> int:
     print(f"fleetrun --dry-run: running {config.training_script} as worker 0 of "
           f"{len(p.workers)} worker(s) with {len(p.servers)} server(s), without peers",
           flush=True)
-    return subprocess.call([sys.executable, "-u", p.script, *p.script_args], env=child)
+    module = ["-m"] if p.module else []
+    return subprocess.call([sys.executable, "-u", *module, p.script, *p.script_args], env=child)
 
 
 def launch(config: LaunchConfig) -> int:
@@ -386,8 +399,9 @@ def launch(config: LaunchConfig) -> int:
     Raises:
         ConfigError: the script does not exist, or the flags cannot be served on this node.
     """
-    if not os.path.isfile(config.training_script):
-        raise ConfigError("training_script", f"{config.training_script}: no such file")
+    problem = script.entrypoint_problem(config.training_script, config.module)
+    if problem:
+        raise ConfigError("training_script", problem)
     if config.ps_secret_file and not os.access(config.ps_secret_file, os.R_OK):
         raise ConfigError("--ps_secret_file", f"{config.ps_secret_file}: no such file or not "
                                               "readable")

@@ -30,7 +30,32 @@ import sys
 import threading
 from typing import NoReturn, Optional, Sequence
 
-__all__ = ["run_script", "exit_cleanly"]
+__all__ = ["run_script", "exit_cleanly", "entrypoint_problem"]
+
+
+def entrypoint_problem(target: str, module: bool = False) -> Optional[str]:
+    """What keeps ``target`` from being run, or None: a script path that is not a file, or a
+    module whose top-level package is on neither the current folder nor ``sys.path`` (found
+    without importing anything, so no package code runs in the launcher).
+
+    Example:
+        >>> entrypoint_problem("no_such_script.py")
+        'no_such_script.py: no such file'
+    """
+    if not module:
+        return None if os.path.isfile(target) else f"{target}: no such file"
+    from importlib.machinery import PathFinder
+
+    if target.endswith(".py"):
+        return (f"{target}: -m takes a module name, not a file: drop -m, or give the module's "
+                f"dotted name (such as mypkg.train)")
+    top = target.split(".")[0]
+    if not top.isidentifier() or not all(part.isidentifier() for part in target.split(".")):
+        return f"{target}: not a module name (expected a dotted name such as mypkg.train)"
+    if PathFinder.find_spec(top, [os.getcwd(), *sys.path[1:]]) is None:
+        return (f"no module named {top!r} in the current folder ({os.getcwd()}) or on "
+                f"sys.path; run fleetrun from the folder that holds it, or install it")
+    return None
 
 
 def run_script(target: str, args: Sequence[str], module: bool = False) -> NoReturn:
@@ -55,13 +80,13 @@ def run_script(target: str, args: Sequence[str], module: bool = False) -> NoRetu
     except SystemExit as exc:
         code, keep = _exit_status(exc.code), exc
     except KeyboardInterrupt as exc:
-        _print_exception(exc, target)
+        _print_exception(exc, None if module else target)
         _finish()
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # die of SIGINT, as Python does
         os.kill(os.getpid(), signal.SIGINT)
         os._exit(130)  # not reached: SIGINT ends the process
     except BaseException as exc:  # noqa: BLE001 - report it as the interpreter would
-        _print_exception(exc, target)
+        _print_exception(exc, None if module else target)
         code, keep = 1, exc
     exit_cleanly(code)
 
@@ -129,11 +154,17 @@ def _exit_status(code: object) -> int:
 
 
 def _print_exception(exc: BaseException, script: Optional[str]) -> None:
-    """The traceback from the script's first frame on, as ``python script.py`` prints it."""
+    """The traceback from the script's first frame on, as ``python script.py`` prints it;
+    without a script (a module), from the first frame outside this file and :mod:`runpy`."""
     tb = exc.__traceback__
     if script is not None:
         while tb is not None and tb.tb_frame.f_code.co_filename != script:
             tb = tb.tb_next
+    else:
+        ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+            tb = tb.tb_next
+        tb = tb or exc.__traceback__
     if tb is not None:
         exc = exc.with_traceback(tb)  # newer interpreters print exc.__traceback__, not the arg
     sys.excepthook(type(exc), exc, exc.__traceback__)
