@@ -25,7 +25,7 @@ from fleetx.comm import debug
 from fleetx.comm.api import Blame, CommError, check_call
 from fleetx.comm.blame import Watch
 
-__all__ = ["CommError", "Communicator", "default_timeout", "pick_backend"]
+__all__ = ["CommError", "ProcessGroups", "default_timeout", "pick_backend"]
 
 _POLL_S = 0.05
 # Seconds between progress reports: often enough that a report is fresh when a collective
@@ -73,7 +73,7 @@ def _local_ip(master: str) -> str:
 
 
 @dataclass
-class Communicator:
+class ProcessGroups:
     """The process groups of one job. Build it with :meth:`join`.
 
     Attributes:
@@ -94,7 +94,7 @@ class Communicator:
 
     @classmethod
     def join(cls, rank: int, world_size: int, endpoints: Sequence[str] = (),
-             backend: Optional[str] = None, timeout: Optional[float] = None) -> "Communicator":
+             backend: Optional[str] = None, timeout: Optional[float] = None) -> "ProcessGroups":
         """Rendezvous with every peer and create the process groups.
 
         If the script already created the default process group itself, it is reused (its rank
@@ -128,7 +128,7 @@ class Communicator:
 
     @classmethod
     def _adopt(cls, rank: int, world_size: int, endpoints: Sequence[str],
-               timeout: float) -> "Communicator":
+               timeout: float) -> "ProcessGroups":
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
             raise CommError(f"the existing process group has rank {dist.get_rank()} of "
                             f"{dist.get_world_size()}, but this process's role is rank {rank} of "
@@ -148,7 +148,7 @@ class Communicator:
 
     @classmethod
     def _with_groups(cls, rank: int, world_size: int, backend: str, endpoints: list,
-                     timeout: float, owned: bool) -> "Communicator":
+                     timeout: float, owned: bool) -> "ProcessGroups":
         group = dist.group.WORLD
         host_group = group if backend == "gloo" else dist.new_group(
             backend="gloo", timeout=timedelta(seconds=timeout))

@@ -43,7 +43,7 @@ from torch.futures import Future
 
 from fleetx.comm.api import check_call, checking
 
-__all__ = ["CommHookError", "Traffic", "Link", "GradientCodec", "Topology", "FlatTopology",
+__all__ = ["CommHookError", "Traffic", "Downstream", "GradientCodec", "Topology", "FlatTopology",
            "Channels", "Pipeline", "compose", "done"]
 
 
@@ -166,7 +166,7 @@ class Channels:
             raise ValueError(f"Channels.count must be >= 1, got {self.count}")
 
 
-class Link:
+class Downstream:
     """What a codec sees of the rest of the pipeline for one bucket."""
 
     def __init__(self, pipeline: "Pipeline", depth: int, bucket: Any, channel: int) -> None:
@@ -194,7 +194,7 @@ class GradientCodec(abc.ABC):
     order: ClassVar[int] = 100
 
     @abc.abstractmethod
-    def run(self, bucket: Any, tensor: torch.Tensor, link: Link) -> Future:
+    def run(self, bucket: Any, tensor: torch.Tensor, link: Downstream) -> Future:
         """Communicate ``tensor`` (the bucket's gradients, divided by the world size).
 
         Returns a future holding the averaged tensor, same shape and dtype as ``tensor``.
@@ -247,7 +247,7 @@ class Pipeline:
             # checked here, not in one topology: a hierarchical all-reduce is checked too
             check_call("all_reduce", self.flat.groups[channel], [tensor])
             return self.topology.all_reduce(tensor, channel, self.traffic)
-        return self.codecs[depth].run(bucket, tensor, Link(self, depth, bucket, channel))
+        return self.codecs[depth].run(bucket, tensor, Downstream(self, depth, bucket, channel))
 
 
 def _pipeline_hook(state, bucket):  # type: ignore[no-untyped-def]

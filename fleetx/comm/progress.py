@@ -178,7 +178,7 @@ class Beacon:
         interval: seconds between reports; keep it well below the collective timeout.
         stall_after: seconds without a new call after which the report says where the rank is.
 
-    Example (what :class:`~fleetx.comm.groups.Communicator` does at join)::
+    Example (what :class:`~fleetx.comm.groups.ProcessGroups` does at join)::
 
         beacon = Beacon(store, rank, interval=1.0, stall_after=100.0)
         beacon.start()

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from fleetx import env
-from fleetx.comm.groups import Communicator, pick_backend
+from fleetx.comm.groups import ProcessGroups, pick_backend
 from fleetx.fleet import applied
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
@@ -54,7 +54,7 @@ class Fleet:
     def __init__(self) -> None:
         self._role_maker: Optional[RoleMakerBase] = None
         self._strategy: Optional[DistributedStrategy] = None
-        self._comm: Optional[Communicator] = None
+        self._comm: Optional[ProcessGroups] = None
         self._backend: Optional[str] = None
         self._models: list = []
         self._optimizer: Optional[torch.optim.Optimizer] = None
@@ -143,7 +143,7 @@ class Fleet:
             raise FleetError(f"call fleet.init() before {use}")
         return self._role_maker
 
-    def _communicator(self) -> Optional[Communicator]:
+    def _communicator(self) -> Optional[ProcessGroups]:
         """The worker communicator, joined on first use; None for a one-worker job."""
         rm = self._rm("util")
         if rm._is_server():
@@ -155,7 +155,7 @@ class Fleet:
                              "forward pass) before fleet.distributed_optimizer(...) printed the "
                              "plan; a dry run stops before any communication")
         if self._comm is None:
-            self._comm = Communicator.join(rm._worker_index(), rm._worker_num(),
+            self._comm = ProcessGroups.join(rm._worker_index(), rm._worker_num(),
                                            rm._get_trainer_endpoints(), backend=self._backend)
             atexit.register(self._shutdown)
             if not rm._get_trainer_endpoints():

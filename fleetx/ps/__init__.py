@@ -22,14 +22,15 @@ sends (the communicators) and how a torch model is split into tables live in the
 See ``docs/parameter_server.md``.
 """
 from fleetx.ps.api import (AuthError, CommunicatorConfig, ConfigError, DenseTableSpec, InitConfig,
-                           Mode, PeerLostError, ProtocolError, PSConfig, PSError, PSTimeoutError,
-                           RemoteError, RequestError, RuleConfig, SparseTableSpec, Tables)
+                           Mode, PeerLostError, ProtocolError, PSConfig, PSConfigError, PSError,
+                           PSTimeoutError, RemoteError, RequestError, RuleConfig, SparseTableSpec,
+                           Tables)
 from fleetx.ps.client import KVClient, PullResult, SparseRows
 from fleetx.ps.server import PSServer, run_server
 
 __all__ = [
-    "AuthError", "CommunicatorConfig", "ConfigError", "DenseTableSpec", "InitConfig", "Mode",
-    "PeerLostError", "ProtocolError", "PSConfig", "PSError", "PSTimeoutError", "RemoteError",
+    "AuthError", "CommunicatorConfig", "PSConfigError", "ConfigError", "DenseTableSpec", "InitConfig",
+    "Mode", "PeerLostError", "ProtocolError", "PSConfig", "PSError", "PSTimeoutError", "RemoteError",
     "RequestError", "RuleConfig", "SparseTableSpec", "Tables", "KVClient", "PullResult", "SparseRows",
     "PSServer", "run_server",
 ]

@@ -27,7 +27,8 @@ from typing import Any, Mapping, Optional, Sequence
 __all__ = [
     "WIRE_MAGIC", "WIRE_VERSION", "HEADER", "DESCRIPTOR", "FLAG_REPLY", "FLAG_ERROR",
     "MAX_META_BYTES", "MAX_BUFFERS", "Kind", "DTYPES", "DTYPE_CODES", "Mode",
-    "PSError", "ConfigError", "ProtocolError", "PeerLostError", "RemoteError", "PSTimeoutError",
+    "PSError", "PSConfigError", "ConfigError", "ProtocolError", "PeerLostError", "RemoteError",
+    "PSTimeoutError",
     "StateError", "AuthError", "RequestError", "NONFINITE", "DEFAULT_MAX_FRAME_BYTES",
     "TRANSPORTS", "RuleConfig", "InitConfig", "SparseTableSpec", "DenseTableSpec", "Tables",
     "PSConfig", "CommunicatorConfig",
@@ -92,8 +93,13 @@ class PSError(RuntimeError):
     """Base class of every parameter-server failure."""
 
 
-class ConfigError(PSError, ValueError):
+class PSConfigError(PSError, ValueError):
     """A table, rule or cluster setting is invalid; the message names the field."""
+
+
+# The name ``fleetx.ps`` exported before ``fleetx.launch.ConfigError`` (a bad fleetrun flag)
+# made it ambiguous; kept so that scripts catching ``fleetx.ps.ConfigError`` go on working.
+ConfigError = PSConfigError
 
 
 class ProtocolError(PSError):
@@ -154,7 +160,7 @@ _OPTIMIZERS = {"SGD": "sgd", "Adagrad": "adagrad", "Adam": "adam", "AdamW": "ada
 
 def _require(cond: bool, message: str) -> None:
     if not cond:
-        raise ConfigError(message)
+        raise PSConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -201,7 +207,7 @@ class RuleConfig:
         """The rule for a torch optimizer class name and one of its ``param_groups``.
 
         Raises:
-            ConfigError: the optimizer or one of its options has no server-side equivalent.
+            PSConfigError: the optimizer or one of its options has no server-side equivalent.
         """
         name = _OPTIMIZERS.get(optimizer)
         _require(name is not None, f"optimizer {optimizer!r} has no parameter-server rule; "
@@ -332,7 +338,7 @@ class Tables:
         for t in self.sparse + self.dense:
             if t.name == name:
                 return t
-        raise ConfigError(f"unknown table {name!r}; known: "
+        raise PSConfigError(f"unknown table {name!r}; known: "
                           f"{', '.join(t.name for t in self.sparse + self.dense) or '(none)'}")
 
     def to_json(self) -> str:

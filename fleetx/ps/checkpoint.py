@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from fleetx.checkpoint import Checkpoint, CheckpointError, SaveWriter
-from fleetx.ps.api import ConfigError
+from fleetx.ps.api import PSConfigError
 from fleetx.ps.partition import server_of
 from fleetx.ps.table import DenseTable, SparseTable
 
@@ -54,12 +54,12 @@ def confine(path: str, root: str) -> str:
     taken relative to ``root``; symbolic links are resolved before the check).
 
     Raises:
-        ConfigError: the path leaves the root (the message names both).
+        PSConfigError: the path leaves the root (the message names both).
     """
     real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(real_root, path))
     if os.path.commonpath([real_root, real]) != real_root:
-        raise ConfigError(f"checkpoint folder {path!r} is outside the save root {real_root!r}; "
+        raise PSConfigError(f"checkpoint folder {path!r} is outside the save root {real_root!r}; "
                           "save and load under it, or set FLEETX_PS_SAVE_ROOT")
     return real
 
@@ -203,7 +203,7 @@ def _read_sparse(ckpt: Checkpoint, folder: str, meta: dict, name: str, dim: int)
     """``(keys, rows, saved rule)`` of one table in one server folder, checked."""
     info = _table_info(ckpt, folder, name, meta["tables"][name], ("dim", "width", "rows"))
     if info["dim"] != dim:
-        raise ConfigError(f"table {name!r}: saved dim {info['dim']} != {dim}")
+        raise PSConfigError(f"table {name!r}: saved dim {info['dim']} != {dim}")
     k_rel, r_rel = f"{folder}/sparse-{name}.keys.npy", f"{folder}/sparse-{name}.rows.npy"
     keys, rows = ckpt.read_array(k_rel), ckpt.read_array(r_rel)
     _check_keys(ckpt, k_rel, keys, meta)
@@ -223,7 +223,7 @@ def load_server(dirname: str, index: int, num_servers: int, shard_num: int,
 
     Raises:
         CheckpointError: no checkpoint, or any file that does not match (named).
-        ConfigError: a table's shape changed.
+        PSConfigError: a table's shape changed.
     """
     ckpt = Checkpoint(dirname)
     saved = _saved_servers(ckpt)
@@ -280,7 +280,7 @@ def _load_dense_slice(ckpt: Checkpoint, name: str, t: DenseTable, parts: list) -
     parts = _dense_parts(ckpt, name, parts)
     numel = parts[-1][0]["stop"]
     if numel != t.spec.numel:
-        raise ConfigError(f"dense table {name!r}: saved numel {numel} != {t.spec.numel}")
+        raise PSConfigError(f"dense table {name!r}: saved numel {numel} != {t.spec.numel}")
     blocks, scalars = parts[0][0]["blocks"], parts[0][0]["scalars"]
     full = np.zeros((blocks, numel), np.float32)
     tail = np.zeros(scalars, np.float32)

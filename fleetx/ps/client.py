@@ -25,7 +25,7 @@ import numpy as np
 
 from fleetx.checkpoint import FileEntry
 from fleetx.ps import kernels
-from fleetx.ps.api import (ConfigError, Kind, Mode, PeerLostError, PSConfig, PSError, Tables,
+from fleetx.ps.api import (PSConfigError, Kind, Mode, PeerLostError, PSConfig, PSError, Tables,
                            endpoint_of)
 from fleetx.ps.partition import Route, dense_ranges, route
 from fleetx.ps.tracker import Handle, Tracker
@@ -77,7 +77,7 @@ class KVClient:
 
     def __init__(self, config: PSConfig, rank: int, tables: Tables) -> None:
         if not 0 <= rank < config.num_workers:
-            raise ConfigError(f"worker rank {rank} outside [0, {config.num_workers})")
+            raise PSConfigError(f"worker rank {rank} outside [0, {config.num_workers})")
         self.config, self.rank, self.tables = config, rank, tables
         self._dense_ranges = {t.name: dense_ranges(t.numel, config.num_servers)
                               for t in tables.dense}
@@ -97,7 +97,7 @@ class KVClient:
         Raises:
             PSTimeoutError: a server is not reachable (named in the message).
             AuthError: a server rejected this process's secret, or did not prove it holds it.
-            ConfigError: a server has another table layout or mode; the secret file is
+            PSConfigError: a server has another table layout or mode; the secret file is
                 unreadable.
         """
         c = self.config
@@ -179,12 +179,12 @@ class KVClient:
         spec = self.tables.get(name)
         ids = np.asarray(ids)
         if not hasattr(spec, "dim"):
-            raise ConfigError(f"table {name!r} is dense; sparse ids cannot address it")
+            raise PSConfigError(f"table {name!r} is dense; sparse ids cannot address it")
         if ids.size and ids.dtype.kind not in "iu":
-            raise ConfigError(f"table {name!r}: ids must be integers, got {ids.dtype}")
+            raise PSConfigError(f"table {name!r}: ids must be integers, got {ids.dtype}")
         if spec.num_embeddings is not None and ids.size and (
                 ids.min() < 0 or ids.max() >= spec.num_embeddings):
-            raise ConfigError(f"table {name!r}: ids must be in [0, {spec.num_embeddings}); "
+            raise PSConfigError(f"table {name!r}: ids must be in [0, {spec.num_embeddings}); "
                               f"got [{ids.min()}, {ids.max()}]")
         return route(ids, self.config.num_servers, self.config.shard_num)
 

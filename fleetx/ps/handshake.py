@@ -29,7 +29,7 @@ import time
 from typing import Optional
 
 from fleetx import env
-from fleetx.ps.api import TRANSPORTS, AuthError, ConfigError, PSConfig, PSTimeoutError
+from fleetx.ps.api import TRANSPORTS, AuthError, PSConfigError, PSConfig, PSTimeoutError
 
 __all__ = ["CHALLENGE", "RESPONSE_BYTES", "OK", "REJECTED", "BUSY", "VERDICT_OK_BYTES",
            "resolve_secret", "require_secret", "Challenge", "client_handshake", "is_loopback",
@@ -77,11 +77,11 @@ def resolve_secret(config: PSConfig) -> Optional[bytes]:
     (surrounding whitespace removed), else None.
 
     Raises:
-        ConfigError: both are set, or the secret file cannot be read or is empty (the message
+        PSConfigError: both are set, or the secret file cannot be read or is empty (the message
             names the file, never its content).
     """
     if config.secret and config.secret_file:
-        raise ConfigError("both FLEETX_PS_SECRET and FLEETX_PS_SECRET_FILE are set; set one")
+        raise PSConfigError("both FLEETX_PS_SECRET and FLEETX_PS_SECRET_FILE are set; set one")
     if config.secret:
         return config.secret.encode()
     if not config.secret_file:
@@ -90,10 +90,10 @@ def resolve_secret(config: PSConfig) -> Optional[bytes]:
         with open(config.secret_file, "rb") as f:
             key = f.read().strip()
     except OSError as e:
-        raise ConfigError(f"FLEETX_PS_SECRET_FILE={config.secret_file}: cannot read the "
+        raise PSConfigError(f"FLEETX_PS_SECRET_FILE={config.secret_file}: cannot read the "
                           f"secret ({e.strerror})") from None
     if not key:
-        raise ConfigError(f"FLEETX_PS_SECRET_FILE={config.secret_file}: the file is empty")
+        raise PSConfigError(f"FLEETX_PS_SECRET_FILE={config.secret_file}: the file is empty")
     return key
 
 
@@ -112,14 +112,14 @@ def require_secret(config: PSConfig, host: str, who: str) -> bytes:
     """The key a server listening on ``host`` uses (the empty key when none is set).
 
     Raises:
-        ConfigError: no secret is set and ``host`` is not a loopback address (anyone on the
+        PSConfigError: no secret is set and ``host`` is not a loopback address (anyone on the
             network could then take over the job), or the secret file is unreadable.
     """
     key = resolve_secret(config)
     if key is not None:
         return key
     if not is_loopback(host):
-        raise ConfigError(f"{who}: refusing to listen on {host}, which is not a loopback "
+        raise PSConfigError(f"{who}: refusing to listen on {host}, which is not a loopback "
                           f"address, without a shared secret: set {SECRET_VARIABLES} "
                           "(fleetrun sets one per job; give every node's fleetrun the same "
                           "--ps_secret_file)")

@@ -26,7 +26,7 @@ from typing import Callable, ClassVar
 import numpy as np
 
 from fleetx.ps import kernels
-from fleetx.ps.api import ConfigError, RuleConfig
+from fleetx.ps.api import PSConfigError, RuleConfig
 
 __all__ = ["Rule", "SGDRule", "AdagradRule", "AdamRule", "SumRule", "make_rule"]
 
@@ -124,10 +124,10 @@ def make_rule(config: RuleConfig) -> Rule:
     """The rule object for ``config``.
 
     Raises:
-        ConfigError: no rule is registered under ``config.name``.
+        PSConfigError: no rule is registered under ``config.name``.
     """
     try:
         return _RULES[config.name](config)
     except KeyError:
-        raise ConfigError(f"no update rule named {config.name!r}; known: "
+        raise PSConfigError(f"no update rule named {config.name!r}; known: "
                           f"{', '.join(sorted(_RULES))}") from None

@@ -42,7 +42,7 @@ from typing import Optional
 
 from fleetx.checkpoint import CheckpointError, SaveWriter
 from fleetx.ps import requests
-from fleetx.ps.api import (ConfigError, Kind, Mode, PeerLostError, ProtocolError, PSConfig,
+from fleetx.ps.api import (PSConfigError, Kind, Mode, PeerLostError, ProtocolError, PSConfig,
                            PSError, Tables, endpoint_of)
 from fleetx.ps.checkpoint import confine
 from fleetx.ps.requests import Push
@@ -91,7 +91,7 @@ class PSServer:
         capacity: sparse rows to preallocate per table.
 
     Raises:
-        ConfigError: ``load_dir`` is outside the save root, or a table's shape changed.
+        PSConfigError: ``load_dir`` is outside the save root, or a table's shape changed.
         fleetx.checkpoint.CheckpointError: the checkpoint is missing, damaged or inconsistent.
 
     Example:
@@ -102,7 +102,7 @@ class PSServer:
     def __init__(self, config: PSConfig, index: int, tables: Tables,
                  load_dir: Optional[str] = None, capacity: int = 1024) -> None:
         if not 0 <= index < config.num_servers:
-            raise ConfigError(f"server index {index} outside [0, {config.num_servers})")
+            raise PSConfigError(f"server index {index} outside [0, {config.num_servers})")
         self.config, self.index, self.tables = config, index, tables
         self.name = f"server {index} ({config.servers[index]})"
         self.save_root = os.path.realpath(config.save_root or os.getcwd())
@@ -139,7 +139,7 @@ class PSServer:
         """Listen and serve in background threads; returns at once.
 
         Raises:
-            ConfigError: no shared secret while listening on a non-loopback address, or the
+            PSConfigError: no shared secret while listening on a non-loopback address, or the
                 secret file cannot be read.
             PeerLostError: the endpoint cannot be listened on.
         """
@@ -323,17 +323,17 @@ class PSServer:
         m = msg.meta
         rank = m.get("rank")
         if type(rank) is not int or not 0 <= rank < self.config.num_workers:
-            raise ConfigError(f"HELLO: worker rank {rank!r} is not an integer in "
+            raise PSConfigError(f"HELLO: worker rank {rank!r} is not an integer in "
                               f"[0, {self.config.num_workers})")
         if m.get("fingerprint") != self.tables.fingerprint():
-            raise ConfigError(f"worker {rank} has another table layout than this server; "
+            raise PSConfigError(f"worker {rank} has another table layout than this server; "
                               "build the tables from the same model and optimizer everywhere")
         if m.get("mode") != self.config.mode.value:
-            raise ConfigError(f"worker {rank} runs mode {m.get('mode')!r}, this server runs "
+            raise PSConfigError(f"worker {rank} runs mode {m.get('mode')!r}, this server runs "
                               f"{self.config.mode.value!r}")
         old = self._workers.get(rank)
         if old is not None:
-            raise ConfigError(f"worker rank {rank} already {old.state} ({old.name})")
+            raise PSConfigError(f"worker rank {rank} already {old.state} ({old.name})")
         link.name = f"worker {rank} (pid {m.get('pid')} on {m.get('host')})"
         link.peer_info["rank"] = rank
         self._workers[rank] = _Worker(rank, link.name, link)

@@ -18,7 +18,7 @@ import numpy as np
 from fleetx.ps import kernels
 from fleetx.checkpoint import SaveWriter
 from fleetx.ps import requests
-from fleetx.ps.api import ConfigError, Mode, PSConfig, RuleConfig, Tables
+from fleetx.ps.api import PSConfigError, Mode, PSConfig, RuleConfig, Tables
 from fleetx.ps.checkpoint import load_server, save_server
 from fleetx.ps.partition import dense_ranges
 from fleetx.ps.requests import Push
@@ -63,7 +63,7 @@ class Shard:
         t = self.sparse.get(name)
         t = self.dense.get(name) if t is None else t
         if t is None:
-            raise ConfigError(f"server {self.index} has no table {name!r}")
+            raise PSConfigError(f"server {self.index} has no table {name!r}")
         return t
 
     def pull(self, meta: dict, bufs: list) -> list:

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from fleetx.ps import kernels
-from fleetx.ps.api import ConfigError, DenseTableSpec, RequestError, SparseTableSpec
+from fleetx.ps.api import PSConfigError, DenseTableSpec, RequestError, SparseTableSpec
 from fleetx.ps.initializers import initial_rows
 from fleetx.ps.rules import Rule
 
@@ -176,7 +176,7 @@ class SparseTable:
         ids = np.ascontiguousarray(ids, np.int64).reshape(-1)
         n = self.spec.num_embeddings
         if n is not None and len(ids) and (ids.min() < 0 or ids.max() >= n):
-            raise ConfigError(f"table {self.spec.name!r}: ids must be in [0, {n}); got "
+            raise PSConfigError(f"table {self.spec.name!r}: ids must be in [0, {n}); got "
                               f"[{ids.min()}, {ids.max()}]")
         return ids
 

@@ -13,12 +13,12 @@ import itertools
 import threading
 from typing import Any, Callable, Optional
 
-from fleetx.ps.api import ConfigError, PeerLostError, PSTimeoutError, RemoteError
+from fleetx.ps.api import PSConfigError, PeerLostError, PSTimeoutError, RemoteError
 from fleetx.ps.transport import Message
 
 __all__ = ["Handle", "Tracker", "remote_error"]
 
-_ERRORS = {cls.__name__: cls for cls in (ConfigError, PSTimeoutError)}
+_ERRORS = {cls.__name__: cls for cls in (PSConfigError, PSTimeoutError)}
 
 
 def remote_error(meta: dict, peer_name: str) -> Exception:

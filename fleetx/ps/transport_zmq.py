@@ -50,7 +50,7 @@ import numpy as np
 
 from fleetx.ps.acceptor import RateLimitedLog
 from fleetx.ps.api import (DEFAULT_MAX_FRAME_BYTES, DESCRIPTOR, HEADER, MAX_BUFFERS,
-                           MAX_META_BYTES, ConfigError, Kind, PeerLostError, ProtocolError,
+                           MAX_META_BYTES, PSConfigError, Kind, PeerLostError, ProtocolError,
                            PSTimeoutError)
 from fleetx.ps.handshake import is_loopback
 from fleetx.ps.transport import Message, encode_frame, parse_header, read_descriptors
@@ -71,12 +71,12 @@ _HEAD_MAX = HEADER.size + MAX_BUFFERS * DESCRIPTOR.size + MAX_META_BYTES
 
 
 def _check_usable(host: str, who: str) -> None:
-    """Raises: ConfigError: pyzmq is missing, or ``host`` is not a loopback address."""
+    """Raises: PSConfigError: pyzmq is missing, or ``host`` is not a loopback address."""
     if zmq is None:
-        raise ConfigError(f"{who}: FLEETX_PS_TRANSPORT=zmq needs pyzmq (pip install "
+        raise PSConfigError(f"{who}: FLEETX_PS_TRANSPORT=zmq needs pyzmq (pip install "
                           "pyzmq, or the bench extra); or use FLEETX_PS_TRANSPORT=tcp")
     if not is_loopback(host):
-        raise ConfigError(f"{who}: FLEETX_PS_TRANSPORT=zmq authenticates no one and is for "
+        raise PSConfigError(f"{who}: FLEETX_PS_TRANSPORT=zmq authenticates no one and is for "
                           f"loopback comparisons only; {host} is not a loopback address (use "
                           "FLEETX_PS_TRANSPORT=tcp)")
 
@@ -354,7 +354,7 @@ class Listener:
         link_options: :class:`ZmqLink` keyword arguments (callbacks, ``dead_after``, limits).
 
     Raises:
-        ConfigError: pyzmq is missing or ``host`` is not a loopback address.
+        PSConfigError: pyzmq is missing or ``host`` is not a loopback address.
         PeerLostError: the address cannot be bound (names the endpoint).
     """
 
@@ -463,7 +463,7 @@ def connect_link(host: str, port: int, name: str, timeout: float, on_message: Ca
     server has answered its first HEARTBEAT (servers may start later than workers).
 
     Raises:
-        ConfigError: pyzmq is missing or ``host`` is not a loopback address.
+        PSConfigError: pyzmq is missing or ``host`` is not a loopback address.
         PSTimeoutError: no answer within ``timeout`` seconds; the message names ``name``.
     """
     _check_usable(host, name)

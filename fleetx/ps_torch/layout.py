@@ -81,7 +81,7 @@ class ModelLayout:
         """Lay out ``model`` (modified in place when ``convert``) under ``optimizer``'s rules.
 
         Raises:
-            ConfigError: the optimizer has no server-side rule.
+            PSConfigError: the optimizer has no server-side rule.
         """
         converted = convert_embeddings(model) if convert else {}
         _release(optimizer, converted)

@@ -199,7 +199,7 @@ class PSRuntime:
 
         The checkpoint is read by ``run_server``: it must lie under the save root
         (``FLEETX_PS_SAVE_ROOT``, default the working directory), and every file is verified
-        against its manifest; ``run_server`` raises ``ConfigError`` for a folder outside the
+        against its manifest; ``run_server`` raises ``PSConfigError`` for a folder outside the
         root and :class:`fleetx.checkpoint.CheckpointError` naming any file that is missing,
         damaged or from another save.
         """
@@ -233,7 +233,7 @@ class PSRuntime:
 
         Raises:
             StateError: ``mode`` other than 0.
-            ConfigError: ``dirname`` is outside the servers' save root.
+            PSConfigError: ``dirname`` is outside the servers' save root.
             fleetx.checkpoint.CheckpointError: a file of this worker or the commit cannot be
                 written (the previous checkpoint is kept).
             fleetx.ps.RemoteError: a server refused (remote type ``CheckpointError``: a table

@@ -91,7 +91,7 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
 
     Raises:
         fleetx.env.EnvError: a variable is malformed.
-        fleetx.ps.api.ConfigError: the values contradict each other.
+        fleetx.ps.api.PSConfigError: the values contradict each other.
     """
     if not world.server_num:
         return None
@@ -133,7 +133,7 @@ class ParameterServerStrategy(Strategy):
             opt = plan_input.optimizer
             if opt.class_name:  # the servers apply the optimizer: it needs a server-side rule
                 RuleConfig.from_param_group(opt.class_name, dict(opt.defaults))
-        except ValueError as e:  # ConfigError is a ValueError too
+        except ValueError as e:  # PSConfigError is a ValueError too
             return Verdict.fail(str(e))
         sparse = plan_input.model.sparse_modules
         tables = f"sparse tables: {', '.join(sparse)}" if sparse else "no sparse tables"

@@ -25,7 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Mapping, Optional, TypeVar
 
-__all__ = ["Config", "FieldSpec", "Rule", "option", "unknown_name", "markdown_table",
+__all__ = ["Config", "FieldSpec", "Constraint", "option", "unknown_name", "markdown_table",
            "warn_old_name"]
 
 _C = TypeVar("_C", bound="Config")
@@ -54,7 +54,7 @@ def unknown_name(what: str, name: str, known: Iterable[str]) -> str:
 
 
 @dataclass(frozen=True)
-class Rule:
+class Constraint:
     """The values a number or string field allows.
 
     ``ge``/``gt``/``le``/``lt`` bound numbers; ``choices`` lists the allowed values; ``also`` names
@@ -109,7 +109,7 @@ class FieldSpec:
     is_list: bool
     default: Any
     help: str
-    rule: Rule
+    rule: Constraint
     enum: Optional[Mapping[str, int]] = None
 
     @property
@@ -169,7 +169,7 @@ def option(default: Any, help: str, *, ge: Optional[float] = None, gt: Optional[
     """
     choices = tuple(enum) if enum else tuple(choices)
     metadata = {"help": help, "enum": dict(enum) if enum else None,
-                "rule": Rule(ge, gt, le, lt, choices, tuple(also))}
+                "rule": Constraint(ge, gt, le, lt, choices, tuple(also))}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -292,7 +292,7 @@ def _spec_of(f: dataclasses.Field, hint: Any) -> FieldSpec:
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
     meta = f.metadata
     return FieldSpec(f.name, base, is_list, default, meta.get("help", ""),
-                     meta.get("rule", Rule()), meta.get("enum"))
+                     meta.get("rule", Constraint()), meta.get("enum"))
 
 
 def markdown_table(cls: type[Config], title: str = "key") -> str:

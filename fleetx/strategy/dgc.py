@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.futures import Future, collect_all
 
-from fleetx.comm.hooks import GradientCodec, Link, done
+from fleetx.comm.hooks import GradientCodec, Downstream, done
 from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.amp import AmpStrategy
@@ -178,7 +178,7 @@ class DGCCodec(GradientCodec):
     def __init__(self, state: DGCState) -> None:
         self.state = state
 
-    def run(self, bucket: Any, tensor: torch.Tensor, link: Link) -> Future:
+    def run(self, bucket: Any, tensor: torch.Tensor, link: Downstream) -> Future:
         st = self.state
         sparsity = sparsity_at(st.step, st.cfg)
         params = bucket.parameters()

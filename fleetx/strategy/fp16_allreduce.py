@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.futures import Future
 
-from fleetx.comm.hooks import GradientCodec, Link
+from fleetx.comm.hooks import GradientCodec, Downstream
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.data_parallel import DataParallelStrategy
 
@@ -28,7 +28,7 @@ class Fp16Codec(GradientCodec):
 
     order = 50  # inside DGC (which sparsifies first), outside the topology
 
-    def run(self, bucket: object, tensor: torch.Tensor, link: Link) -> Future:
+    def run(self, bucket: object, tensor: torch.Tensor, link: Downstream) -> Future:
         if tensor.dtype in (torch.float16, torch.bfloat16):
             return link.all_reduce(tensor)
         dtype = tensor.dtype

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from ps_attack import (SECRET, TABLES, authed, config, frame, hello, raw,  # noqa: E402
                        read_until_closed, serve, worker)
 
-from fleetx.ps import AuthError, ConfigError, PSServer  # noqa: E402
+from fleetx.ps import AuthError, PSConfigError, PSServer  # noqa: E402
 from fleetx.ps import handshake  # noqa: E402
 from fleetx.ps.api import Kind  # noqa: E402
 from fleetx.ps.handshake import (CHALLENGE, OK, REJECTED, RESPONSE_BYTES,  # noqa: E402
@@ -146,7 +146,7 @@ def test_without_a_secret_loopback_servers_warn_once_and_others_refuse_to_start(
     with pytest.raises(AuthError, match="rejected this process's secret"):
         worker(dataclasses.replace(cfg, secret=SECRET))  # nor does the secret match nothing
     everywhere = config(secret=None, servers=("0.0.0.0:0",))
-    with pytest.raises(ConfigError, match="refusing to listen on 0.0.0.0, which is not a "
+    with pytest.raises(PSConfigError, match="refusing to listen on 0.0.0.0, which is not a "
                                           "loopback address, without a shared secret: set "
                                           "FLEETX_PS_SECRET or FLEETX_PS_SECRET_FILE"):
         PSServer(everywhere, 0, TABLES).start()
@@ -155,14 +155,14 @@ def test_without_a_secret_loopback_servers_warn_once_and_others_refuse_to_start(
 def test_a_secret_file_is_read_when_connecting_and_a_missing_one_is_named(server, tmp_path):
     path = tmp_path / "secret"
     cfg = config(secret=None, secret_file=str(path))  # no error yet: nothing connects
-    with pytest.raises(ConfigError, match=f"FLEETX_PS_SECRET_FILE={path}: cannot read"):
+    with pytest.raises(PSConfigError, match=f"FLEETX_PS_SECRET_FILE={path}: cannot read"):
         server(cfg)
     path.write_text(f"  {SECRET}\n")
     _, cfg = server(cfg)
     c = worker(dataclasses.replace(cfg, secret=SECRET, secret_file=None))
     c.stop()
     path.write_text("\n")
-    with pytest.raises(ConfigError, match="the file is empty"):
+    with pytest.raises(PSConfigError, match="the file is empty"):
         worker(cfg)
 
 

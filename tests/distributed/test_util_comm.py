@@ -55,21 +55,21 @@ def test_util_collectives(tmp_path):
 
 
 def test_missing_peer_is_named(monkeypatch):
-    from fleetx.comm.groups import CommError, Communicator
+    from fleetx.comm.groups import CommError, ProcessGroups
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     start = time.monotonic()
     with pytest.raises(CommError) as err:
-        Communicator.join(rank=0, world_size=3, endpoints=["127.0.0.1:1", "10.1.1.1:2", "h:3"],
+        ProcessGroups.join(rank=0, world_size=3, endpoints=["127.0.0.1:1", "10.1.1.1:2", "h:3"],
                           timeout=2)
     assert time.monotonic() - start < 15
     assert "waiting for rank(s) 1 (10.1.1.1:2), 2 (h:3) to join" in str(err.value)
 
 
 def test_unreachable_master_is_named(monkeypatch):
-    from fleetx.comm.groups import CommError, Communicator
+    from fleetx.comm.groups import CommError, ProcessGroups
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody listens there
     with pytest.raises(CommError, match="rank 1 could not reach rank 0's rendezvous store at "
                                         "127.0.0.1:"):
-        Communicator.join(rank=1, world_size=2, timeout=2)
+        ProcessGroups.join(rank=1, world_size=2, timeout=2)

@@ -16,7 +16,7 @@ import pytest
 
 from fleetx.checkpoint import Checkpoint, CheckpointError, FileEntry, Manifest, SaveWriter
 from fleetx.checkpoint.manifest import write_manifest
-from fleetx.ps import ConfigError, DenseTableSpec, PSConfig, RuleConfig, SparseTableSpec, Tables
+from fleetx.ps import PSConfigError, DenseTableSpec, PSConfig, RuleConfig, SparseTableSpec, Tables
 from fleetx.ps.checkpoint import load_dense, save_dense
 from fleetx.ps.partition import dense_ranges, server_of
 from fleetx.ps.requests import Push
@@ -215,7 +215,7 @@ def test_loading_outside_the_save_root_is_refused_naming_both(tmp_path):
     config = PSConfig(CONFIG.servers, 1, shard_num=10, save_root=str(tmp_path / "root"))
     (tmp_path / "root").mkdir()
     for path in (str(tmp_path / "c"), "../c"):
-        with pytest.raises(ConfigError, match=rf"checkpoint folder '{path}' is outside the save "
+        with pytest.raises(PSConfigError, match=rf"checkpoint folder '{path}' is outside the save "
                                               rf"root '{tmp_path / 'root'}'"):
             PSServer(config, 0, TABLES, load_dir=path)
     shutil.move(str(tmp_path / "c"), str(tmp_path / "root" / "c"))

@@ -1,13 +1,14 @@
 """Client and server in one process (servers on threads, real loopback sockets): requests,
 initial values, lr changes, errors, save/load round trips, GEO with one worker, async merging."""
-import socket
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from fleetx.ps import (CommunicatorConfig, ConfigError, DenseTableSpec, InitConfig, KVClient,
+from fleetx.ps import (CommunicatorConfig, PSConfigError, DenseTableSpec, InitConfig, KVClient,
                        PSConfig, PSServer, RuleConfig, SparseTableSpec, Tables)
 from fleetx.ps_torch import make_communicator
 from fleetx.checkpoint import SaveWriter
@@ -16,14 +17,8 @@ from fleetx.ps.initializers import initial_rows
 INIT = InitConfig("uniform", low=-1, high=1, seed=5)
 
 
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import free_ports  # noqa: E402  (tests/helpers.py)
 
 
 def make_tables(sparse_rule=RuleConfig("sgd", lr=0.5), dense_rule=RuleConfig("sgd", lr=0.5),
@@ -138,18 +133,20 @@ def test_save_then_load_restores_rows_and_optimizer_state(cluster, tmp_path, loa
 def test_layout_and_mode_mismatches_are_refused_at_hello(cluster):
     cl = cluster(make_tables())
     other = KVClient(cl.config, 0, make_tables(dim=4))
-    with pytest.raises(ConfigError, match=r"server \d \(127.0.0.1:\d+\): worker 0 has another table layout"):
+    with pytest.raises(PSConfigError,
+                       match=r"server \d \(127.0.0.1:\d+\): worker 0 has another table layout"):
         other.start()
     other.stop()
     wrong = KVClient(PSConfig(cl.config.servers, 1, mode="sync", timeout=5), 0, cl.tables)
-    with pytest.raises(ConfigError, match="worker 0 runs mode 'sync', this server runs 'async'"):
+    with pytest.raises(PSConfigError, match="worker 0 runs mode 'sync', this server runs 'async'"):
         wrong.start()
     wrong.stop()
 
 
 def test_bounded_ids_and_read_only_pulls(cluster):
     c = cluster(make_tables(bounded=4)).client()
-    with pytest.raises(ConfigError, match=r"table 'small': ids must be in \[0, 4\); got \[0, 4\]"):
+    with pytest.raises(PSConfigError,
+                       match=r"table 'small': ids must be in \[0, 4\); got \[0, 4\]"):
         c.pull({"small": np.array([0, 4])})
     c.pull({"emb": np.array([1])}).wait()
     c.pull({"emb": np.array([1, 2, 3])}, create=False).wait()

@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from fleetx import env
-from fleetx.ps import ConfigError, PSConfig
+from fleetx.ps import PSConfigError, PSConfig
 from fleetx.ps import handshake as hs
 from fleetx.ps.acceptor import RateLimitedLog
 
@@ -35,10 +35,10 @@ def test_the_secret_comes_from_the_value_or_the_file(tmp_path):
     path = tmp_path / "s"
     path.write_text("  abc\n")
     assert hs.resolve_secret(PSConfig(**base, secret_file=str(path))) == b"abc"
-    with pytest.raises(ConfigError, match="both FLEETX_PS_SECRET and FLEETX_PS_SECRET_FILE"):
+    with pytest.raises(PSConfigError, match="both FLEETX_PS_SECRET and FLEETX_PS_SECRET_FILE"):
         hs.resolve_secret(PSConfig(**base, secret="abc", secret_file=str(path)))
     path.write_text(" \n")
-    with pytest.raises(ConfigError, match=f"FLEETX_PS_SECRET_FILE={path}: the file is empty"):
+    with pytest.raises(PSConfigError, match=f"FLEETX_PS_SECRET_FILE={path}: the file is empty"):
         hs.resolve_secret(PSConfig(**base, secret_file=str(path)))
     assert "abc" not in repr(PSConfig(**base, secret="abc"))
     assert "secret" not in PSConfig(**base, secret="abc").to_dict()

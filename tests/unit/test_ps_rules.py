@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fleetx.ps import kernels
-from fleetx.ps.api import ConfigError, DenseTableSpec, RuleConfig, SparseTableSpec, InitConfig
+from fleetx.ps.api import PSConfigError, DenseTableSpec, RuleConfig, SparseTableSpec, InitConfig
 from fleetx.ps.rules import make_rule
 from fleetx.ps.table import DenseTable, SparseTable
 
@@ -103,14 +103,14 @@ def test_set_lr_changes_the_next_update():
     ("SGD", {"momentum": 0.9, "dampening": 0.1}, "SGD(dampening=0.1) is not supported"),
 ])
 def test_unsupported_optimizer_options_are_refused(opt, group, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(PSConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         RuleConfig.from_param_group(opt, group)
 
 
 def test_rule_config_validation_names_the_field():
-    with pytest.raises(ConfigError, match=r"RuleConfig.lr=-1: expected a finite number >= 0"):
+    with pytest.raises(PSConfigError, match=r"RuleConfig.lr=-1: expected a finite number >= 0"):
         RuleConfig("sgd", lr=-1)
-    with pytest.raises(ConfigError, match="RuleConfig.name='lamb'"):
+    with pytest.raises(PSConfigError, match="RuleConfig.name='lamb'"):
         RuleConfig("lamb")
 
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from fleetx.ps import (ConfigError, DenseTableSpec, InitConfig, KVClient, PSConfig, PSServer,
+from fleetx.ps import (PSConfigError, DenseTableSpec, InitConfig, KVClient, PSConfig, PSServer,
                        RemoteError, RuleConfig, SparseTableSpec, Tables)
 from fleetx.ps.api import Kind
 
@@ -124,7 +124,7 @@ def test_save_is_confined_to_the_save_root(cluster, tmp_path):
     server, (c,) = cluster()
     root = tmp_path.resolve()
     for path in ("../escape", str(tmp_path.parent / "escape"), "/etc/fleetx-test"):
-        with pytest.raises(ConfigError, match=re.escape(
+        with pytest.raises(PSConfigError, match=re.escape(
                 f"checkpoint folder {path!r} is outside the save root {str(root)!r}")):
             send(c, Kind.SAVE, {"dirname": path, "save_id": "s1"}).wait(10)
     assert not (tmp_path.parent / "escape").exists()
@@ -133,7 +133,7 @@ def test_save_is_confined_to_the_save_root(cluster, tmp_path):
     assert (tmp_path / "rel" / "save-s2" / "server-0-of-1" / "meta.json").is_file()
     assert (tmp_path / "abs" / "save-s3" / "server-0-of-1" / "meta.json").is_file()
     (tmp_path / "link").symlink_to(tmp_path.parent)  # a link out of the root is no way out
-    with pytest.raises(ConfigError, match="is outside the save root"):
+    with pytest.raises(PSConfigError, match="is outside the save root"):
         send(c, Kind.SAVE, {"dirname": "link/escape", "save_id": "s4"}).wait(10)
     with pytest.raises(RemoteError, match=r"CheckpointError: invalid save id '\.\./x'"):
         send(c, Kind.SAVE, {"dirname": "rel", "save_id": "../x"}).wait(10)
@@ -159,6 +159,6 @@ def test_hello_with_a_rank_that_is_not_a_valid_integer_is_refused_naming_it(clus
     server, (c0,) = cluster(workers=1)
     reply = send(c0, Kind.HELLO, {"rank": rank, "pid": 1, "host": "h",
                                   "fingerprint": TABLES.fingerprint(), "mode": "async"})
-    with pytest.raises(ConfigError, match=rf"HELLO: worker rank {re.escape(repr(rank))} is not "
+    with pytest.raises(PSConfigError, match=rf"HELLO: worker rank {re.escape(repr(rank))} is not "
                                           r"an integer in \[0, 1\)"):
         reply.wait(10)

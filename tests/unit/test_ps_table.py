@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from fleetx.ps import checkpoint, client, kernels, partition
-from fleetx.ps.api import ConfigError, InitConfig, RuleConfig, SparseTableSpec
+from fleetx.ps.api import PSConfigError, InitConfig, RuleConfig, SparseTableSpec
 from fleetx.ps.initializers import initial_rows
 from fleetx.ps.partition import dense_ranges, route, server_of, shard_of
 from fleetx.ps.rules import make_rule
@@ -61,7 +61,8 @@ def test_read_only_pull_does_not_create_rows(backend):
 
 def test_bounded_table_refuses_ids_out_of_range():
     t = sgd_table(num_embeddings=10)
-    with pytest.raises(ConfigError, match=r"table 'emb': ids must be in \[0, 10\); got \[-1, 3\]"):
+    with pytest.raises(PSConfigError,
+                       match=r"table 'emb': ids must be in \[0, 10\); got \[-1, 3\]"):
         t.pull(np.array([3, -1]))
 
 

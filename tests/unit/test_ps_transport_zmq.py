@@ -9,7 +9,7 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, ConfigError, Kind  # noqa: E402
+from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, PSConfigError, Kind  # noqa: E402
 from fleetx.ps.transport import Message, encode_frame  # noqa: E402
 from fleetx.ps.transport_zmq import Listener, connect_link  # noqa: E402
 
@@ -44,9 +44,9 @@ def server():
 
 
 def test_both_ends_refuse_an_address_that_is_not_loopback():
-    with pytest.raises(ConfigError, match="10.1.2.3 is not a loopback address"):
+    with pytest.raises(PSConfigError, match="10.1.2.3 is not a loopback address"):
         Listener("10.1.2.3", 0, "server 0", lambda: True, lambda link: None, {})
-    with pytest.raises(ConfigError, match="server 1: .*10.1.2.3 is not a loopback address"):
+    with pytest.raises(PSConfigError, match="server 1: .*10.1.2.3 is not a loopback address"):
         connect_link("10.1.2.3", 6000, "server 1", 1.0, None, None, 5.0)
 
 

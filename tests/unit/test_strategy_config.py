@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from fleetx.strategy.config import Config, Rule, markdown_table, option, unknown_name
+from fleetx.strategy.config import Config, Constraint, markdown_table, option, unknown_name
 from fleetx.strategy.distributed_strategy import MESSAGES, TopLevelConfig
 
 STRATEGY_MODULES = ["amp", "recompute", "localsgd", "adaptive_localsgd", "gradient_merge", "dgc",
@@ -29,19 +29,19 @@ class Demo(Config):
 
 
 @pytest.mark.parametrize("rule, text", [
-    (Rule(gt=0, lt=1), "in (0, 1)"), (Rule(ge=0, lt=1), "in [0, 1)"),
-    (Rule(ge=0, le=1), "in [0, 1]"), (Rule(gt=0), "> 0"), (Rule(ge=1), ">= 1"),
-    (Rule(le=5), "<= 5"), (Rule(lt=5), "< 5"), (Rule(ge=1, also=(-1,)), ">= 1 or -1"),
-    (Rule(choices=("x", "y")), "one of 'x', 'y'"), (Rule(), ""),
+    (Constraint(gt=0, lt=1), "in (0, 1)"), (Constraint(ge=0, lt=1), "in [0, 1)"),
+    (Constraint(ge=0, le=1), "in [0, 1]"), (Constraint(gt=0), "> 0"), (Constraint(ge=1), ">= 1"),
+    (Constraint(le=5), "<= 5"), (Constraint(lt=5), "< 5"), (Constraint(ge=1, also=(-1,)), ">= 1 or -1"),
+    (Constraint(choices=("x", "y")), "one of 'x', 'y'"), (Constraint(), ""),
 ])
 def test_rule_describe(rule, text):
     assert rule.describe() == text
 
 
 def test_rule_allows():
-    assert Rule(ge=1, also=(-1,)).allows(-1) and not Rule(ge=1, also=(-1,)).allows(0)
-    assert not Rule(gt=0).allows(float("nan"))
-    assert Rule().allows(float("nan"))
+    assert Constraint(ge=1, also=(-1,)).allows(-1) and not Constraint(ge=1, also=(-1,)).allows(0)
+    assert not Constraint(gt=0).allows(float("nan"))
+    assert Constraint().allows(float("nan"))
 
 
 def test_construction_and_assignment_are_checked():
