@@ -1,8 +1,7 @@
 """Client and server in one process (servers on threads, real loopback sockets): requests,
 initial values, lr changes, errors, save/load round trips, GEO with one worker, async merging."""
-import sys
+import socket
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +16,14 @@ from fleetx.ps.initializers import initial_rows
 INIT = InitConfig("uniform", low=-1, high=1, seed=5)
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers import free_ports  # noqa: E402  (tests/helpers.py)
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def make_tables(sparse_rule=RuleConfig("sgd", lr=0.5), dense_rule=RuleConfig("sgd", lr=0.5),
