@@ -113,18 +113,9 @@ def _speed(rank: int, world: int, args, out: str) -> None:
     dist.barrier()
 
 
-def _evaluate(fleet, model, x, y) -> float:
-    rank, world = fleet.worker_index(), fleet.worker_num()
-    model.eval()
-    with torch.no_grad():
-        correct = sum(int((model(x[i:i + 1000]).argmax(1) == y[i:i + 1000]).sum())
-                      for i in range(rank * 1000, len(x), world * 1000))
-    model.train()
-    return fleet.util.all_reduce(correct) / len(x)
-
-
 def _accuracy(rank: int, world: int, args, out: str) -> None:
     import data  # examples/fashion_mnist/data.py
+    from evaluate import accuracy  # examples/fashion_mnist/evaluate.py
     from fleetx import fleet
     fleet.init(is_collective=True)
     x_train, y_train = data.load("train")
@@ -146,7 +137,7 @@ def _accuracy(rank: int, world: int, args, out: str) -> None:
             for step in range(steps):
                 idx = mine[step * args.batch_size:(step + 1) * args.batch_size]
                 opt.minimize(F.cross_entropy(model(x_train[idx]), y_train[idx]))
-            accuracies.append(_evaluate(fleet, model, x_test, y_test))
+            accuracies.append(accuracy(model, x_test, y_test))
             epoch_bytes.append(_traffic(opt).get("payload_bytes", 0) - before)
             fleet.util.print_on_rank(f"  {name} epoch {epoch}: test accuracy "
                                      f"{accuracies[-1] * 100:.2f}%", 0)

@@ -21,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data  # noqa: E402  (the example's own loader, beside this file)
+import evaluate  # noqa: E402  (the test accuracy, beside this file)
 
 from fleetx import fleet  # noqa: E402
 
@@ -71,21 +72,6 @@ class Progress:
             print(flush=True)
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int,
-             device: torch.device) -> float:
-    """Accuracy on the whole test set: each rank counts its shard, the counts are summed."""
-    rank, world = fleet.worker_index(), fleet.worker_num()
-    model.eval()
-    correct = 0
-    with torch.no_grad():
-        xs, ys = x[rank::world], y[rank::world]
-        for i in range(0, len(xs), batch):
-            logits = model(xs[i:i + batch].to(device))
-            correct += int((logits.argmax(1).cpu() == ys[i:i + batch]).sum())
-    model.train()
-    return fleet.util.all_reduce(correct) / len(x)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
@@ -131,7 +117,7 @@ def main() -> None:
         progress.close()
         elapsed = time.monotonic() - start
         mean_loss = fleet.util.all_reduce(loss_sum / max(steps, 1)) / world
-        accuracy = evaluate(model, x_test, y_test, batch=1000, device=device)
+        accuracy = evaluate.accuracy(model, x_test, y_test, device=device)
         samples = fleet.util.all_reduce(steps * args.batch_size)
         fleet.util.print_on_rank(
             f"epoch {epoch}/{args.epochs}: loss {mean_loss:.4f}  test accuracy "

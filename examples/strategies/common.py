@@ -18,6 +18,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fashion_mnist"))
 import data  # noqa: E402  (examples/fashion_mnist/data.py: the dataset loader)
+from evaluate import accuracy  # noqa: E402  (examples/fashion_mnist/evaluate.py)
 
 from fleetx import fleet  # noqa: E402
 
@@ -42,17 +43,6 @@ def make_model() -> nn.Module:
         nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(32 * 7 * 7, 32), nn.ReLU(), nn.Linear(32, 10))
-
-
-def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Test accuracy: each rank counts its shard, the counts are summed."""
-    rank, world = fleet.worker_index(), fleet.worker_num()
-    model.eval()
-    with torch.no_grad():
-        correct = sum(int((model(x[i:i + 1000]).argmax(1) == y[i:i + 1000]).sum())
-                      for i in range(rank * 1000, len(x), world * 1000))
-    model.train()
-    return fleet.util.all_reduce(correct) / len(x)
 
 
 def train(args: argparse.Namespace, strategy: fleet.DistributedStrategy,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("ps_worker.py")
 SLOTS, DIM, NDENSE = 3, 4, 2
 NUMEL = SLOTS * DIM + NDENSE + 1
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import free_ports  # noqa: E402,F401  (tests/helpers.py; the PS tests take it from here)
+
 VOCAB = np.array([-5, 0, 1, 7, 42, 10 ** 12, 2 ** 62, -(2 ** 40), 99, 1234567], np.int64)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def batch(step: int, size: int = 16):

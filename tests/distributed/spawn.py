@@ -1,17 +1,16 @@
-"""Run a function on N local processes that see a torchrun-style environment (gloo, loopback)."""
+"""Run a function on N local processes that see a torchrun-style environment (gloo, loopback),
+and the train-and-collect harness the distributed tests share."""
 from __future__ import annotations
 
 import os
-import socket
-from typing import Any, Callable
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import free_port  # noqa: E402  (tests/helpers.py)
 
 
 def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
@@ -27,3 +26,44 @@ def run(fn: Callable, world: int, *args: Any) -> None:
     """Start ``fn(rank, world, *args)`` on ``world`` fresh processes and wait; raise if any fails."""
     mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world,
                        start_method="spawn", join=True)
+
+
+def run_and_load(fn: Callable, world: int, out: Path) -> list:
+    """``run(fn, world, out)``, where each rank saves its results to ``out/rank<r>.pt``; the
+    ranks' results, in rank order."""
+    import torch
+    run(fn, world, str(out))
+    return [torch.load(Path(out) / f"rank{r}.pt") for r in range(world)]
+
+
+def train_on_slices(fleet: Any, strategy: Any, model: Any, batches: list, rank: int, batch: int,
+                    prepare: Optional[Callable] = None) -> dict:
+    """The data-parallel harness the communication tests share: wrap ``model``, build momentum
+    SGD (lr 0.05, momentum 0.9) under ``strategy``, and minimise the MSE on this rank's slice of
+    every ``(x, y)`` in ``batches`` (``prepare(x)`` first, when given).
+
+    Returns:
+        ``state`` (the model's state dict), ``plan`` (the applied strategies), ``traffic`` (the
+        data-parallel traffic record, or None) and ``optimizer``.
+    """
+    import warnings
+
+    import torch
+    from torch import nn
+    model = fleet.distributed_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = fleet.distributed_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), strategy=strategy)
+    for x, y in batches:
+        sl = slice(rank * batch, (rank + 1) * batch)
+        if prepare is not None:
+            x = prepare(x)
+        opt.minimize(nn.functional.mse_loss(model(x[sl]), y[sl]))
+    return {"state": model.state_dict(), "plan": fleet.applied_strategies(),
+            "traffic": opt.state_dict().get("fleetx", {}).get("data_parallel"), "optimizer": opt}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two state dicts with the same keys."""
+    return max((a[k] - v).abs().max().item() for k, v in b.items())

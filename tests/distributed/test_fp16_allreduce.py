@@ -14,7 +14,6 @@ the all-reduce, amp skips those steps and lowers the scale until the gradients f
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import run  # noqa: E402
+from spawn import run_and_load, train_on_slices  # noqa: E402
 
 WORLD, BATCH, STEPS = 2, 8, 6
 
@@ -59,29 +58,20 @@ def _train(rank: int, world: int, out: str) -> None:
                                     "decr_ratio": 0.5}
         if name.startswith("dgc"):
             strategy.dgc, strategy.dgc_configs = True, {"sparsity": [0.99]}
-        model = fleet.distributed_model(dgc_model() if name.startswith("dgc") else make_model())
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            opt = fleet.distributed_optimizer(
-                torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), strategy=strategy)
-        for x, y in batches():
-            sl = slice(rank * BATCH, (rank + 1) * BATCH)
-            if name.startswith("dgc"):
-                x = x.repeat(1, 13)[:, :128]
-            opt.minimize(nn.functional.mse_loss(model(x[sl]), y[sl]))
-        results[name] = model.state_dict()
+        dgc = name.startswith("dgc")
+        run_ = train_on_slices(fleet, strategy, dgc_model() if dgc else make_model(), batches(),
+                               rank, BATCH, prepare=(lambda x: x.repeat(1, 13)[:, :128]) if dgc
+                               else None)
+        results[name], results[f"{name}_plan"] = run_["state"], run_["plan"]
+        results[f"{name}_traffic"] = run_["traffic"]
         if name == "amp_fp16":
-            results["loss_scale"] = opt.get_loss_scaling()
-        results[f"{name}_plan"] = fleet.applied_strategies()
-        results[f"{name}_traffic"] = opt.state_dict().get("fleetx", {}).get("data_parallel")
+            results["loss_scale"] = run_["optimizer"].get_loss_scaling()
     torch.save(results, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp16")
-    run(_train, WORLD, str(out))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return run_and_load(_train, WORLD, tmp_path_factory.mktemp("fp16"))
 
 
 def test_plan(ranks):

@@ -14,7 +14,6 @@ machine here). Checked in one spawn:
 from __future__ import annotations
 
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import run  # noqa: E402
+from spawn import max_diff, run_and_load, train_on_slices  # noqa: E402
 
 WORLD, BATCH, STEPS = 4, 4, 5
 
@@ -59,29 +58,16 @@ def _train(rank: int, world: int, out: str) -> None:
         strategy.hierarchical_allreduce_inter_nranks = 2
         for key, value in flags.items():
             setattr(strategy, key, value)
-        model = fleet.distributed_model(make_model(big=name == "all"))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            opt = fleet.distributed_optimizer(
-                torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), strategy=strategy)
-        for x, y in batches():
-            sl = slice(rank * BATCH, (rank + 1) * BATCH)
-            opt.minimize(nn.functional.mse_loss(model(x[sl]), y[sl]))
-        results[name] = model.state_dict()
-        results[f"{name}_plan"] = fleet.applied_strategies()
-        results[f"{name}_traffic"] = opt.state_dict().get("fleetx", {}).get("data_parallel")
+        run_ = train_on_slices(fleet, strategy, make_model(big=name == "all"), batches(), rank,
+                               BATCH)
+        results[name], results[f"{name}_plan"] = run_["state"], run_["plan"]
+        results[f"{name}_traffic"] = run_["traffic"]
     torch.save(results, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hier")
-    run(_train, WORLD, str(out))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max((a[k] - v).abs().max().item() for k, v in b.items())
+    return run_and_load(_train, WORLD, tmp_path_factory.mktemp("hier"))
 
 
 def test_plans(ranks):

@@ -8,7 +8,6 @@ its own process running ``ps_fleet_train.py`` with the environment fleetrun woul
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,9 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from helpers import free_ports  # noqa: E402  (tests/helpers.py)
+
 SCRIPT = HERE / "ps_fleet_train.py"
 VOCAB, TAGS, DIM, NDENSE, BATCH = 40, 25, 4, 3, 16
 
@@ -76,16 +78,6 @@ def snapshot(emb, tags, mlp) -> dict:
 
 
 # -- processes ----------------------------------------------------------------------------------
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def start_job(out: Path, servers: int, workers: int, *args: str, extra_env=None) -> list:
     """Start every role of a job (servers first); returns ``[(name, Popen)]``."""
     ports = free_ports(servers + workers)

@@ -1,7 +1,8 @@
 """Client and server in one process (servers on threads, real loopback sockets): requests,
 initial values, lr changes, errors, save/load round trips, GEO with one worker, async merging."""
-import socket
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,14 +17,8 @@ from fleetx.ps.initializers import initial_rows
 INIT = InitConfig("uniform", low=-1, high=1, seed=5)
 
 
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import free_ports  # noqa: E402  (tests/helpers.py)
 
 
 def make_tables(sparse_rule=RuleConfig("sgd", lr=0.5), dense_rule=RuleConfig("sgd", lr=0.5),

@@ -3,8 +3,9 @@
 Two workers (threads, each with its own model copy and communicator) train a model whose
 ``nn.Embedding(sparse=True)`` was moved to a server, in sync mode; they end equal to one torch
 process training the original model on the union batch."""
-import socket
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -37,10 +38,8 @@ def loss_fn(model, ids, y):
     return nn.functional.binary_cross_entropy_with_logits(model(ids), y)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import free_port  # noqa: E402  (tests/helpers.py)
 
 
 def test_layout_converts_sparse_embeddings_and_groups_dense_parameters():
