@@ -9,8 +9,10 @@ buckets over several process groups. Each adds one stage to ``ctx.comm_hooks`` a
     bucket -> / world size -> codec -> codec -> ... -> topology.all_reduce(channel = index mod n)
 
 * :class:`GradientCodec`: changes the gradient around communication (cast, sparsify). Codecs
-  nest by ``order``, lowest outermost; each passes what continues down the pipeline to
-  ``link.all_reduce`` and may run collectives of its own with ``link.all_gather``.
+  nest in the order they were added, first outermost (strategies add them in plan order, which
+  their ``runs_after`` relations fix: ``dgc`` before ``fp16_allreduce``); each passes what
+  continues down the pipeline to ``link.all_reduce`` and may run collectives of its own with
+  ``link.all_gather``.
 * :class:`Topology`: how a sum travels, :class:`FlatTopology` unless a strategy gives another
   (at most one).
 * :class:`Channels`: how many independent process-group sets carry the buckets, round-robin by
@@ -35,7 +37,7 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -191,8 +193,6 @@ class Downstream:
 class GradientCodec(abc.ABC):
     """A stage that changes gradients around their communication (compression and back)."""
 
-    order: ClassVar[int] = 100
-
     @abc.abstractmethod
     def run(self, bucket: Any, tensor: torch.Tensor, link: Downstream) -> Future:
         """Communicate ``tensor`` (the bucket's gradients, divided by the world size).
@@ -212,7 +212,7 @@ class Pipeline:
 
     def __init__(self, codecs: Sequence[GradientCodec], topology: Optional[Topology],
                  channels: int, group: Any) -> None:
-        self.codecs = sorted(codecs, key=lambda c: c.order)
+        self.codecs = list(codecs)  # as given: the first is outermost
         self.flat = FlatTopology()
         self.flat.connect(group, channels)
         self.topology = topology or self.flat

@@ -121,7 +121,6 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "parameter_server"
-    order = 80  # replaces the optimizer; option bags (order 90) then see its param groups
     implicit = True
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

@@ -141,7 +141,6 @@ class AdaptiveLocalSGDStrategy(Strategy):
     """Local SGD whose averaging interval follows the learning rate and the loss."""
 
     name = "adaptive_localsgd"
-    order = 10
     requires = (DataParallelStrategy,)
     conflicts = (LocalSGDStrategy,)
 

@@ -25,9 +25,13 @@ import torch
 import torch.distributed as dist
 
 from fleetx.amp import LossScaler, PrecisionHooks, low_precision_dtype, resolve
+from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register)
 from fleetx.strategy.config import Config, option
+from fleetx.strategy.data_parallel import DataParallelStrategy
+from fleetx.strategy.gradient_merge import GradientMergeStrategy
+from fleetx.strategy.localsgd import LocalSGDStrategy
 
 __all__ = ["AmpConfig", "AmpStrategy"]
 
@@ -80,7 +84,11 @@ class AmpStrategy(Strategy):
     """Autocast around every forward, Paddle's dynamic loss scaling around every step."""
 
     name = "amp"
-    order = 30  # its step guard runs after gradient merge's boundary guard
+    # Its step guard (unscale, inf check) must run after gradient merge's boundary guard, and it
+    # asks the sync_gradients that data parallel, gradient merge and local SGD shape whether a
+    # step was synchronised.
+    runs_after = (DataParallelStrategy, GradientMergeStrategy, LocalSGDStrategy,
+                  AdaptiveLocalSGDStrategy)
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:
         cfg = self.strategy.typed_config("amp")

@@ -7,24 +7,30 @@ registered with :func:`register`. It declares
 
 * ``name``: the ``DistributedStrategy`` switch it answers to,
 * ``requires`` / ``conflicts``: other strategy classes it needs or cannot run beside,
+* ``runs_after`` / ``runs_before``: strategies that, when both apply, must install their hooks
+  before / after it (a strategy also runs after what it ``requires``, unless it says
+  ``runs_before`` of it),
 * ``can_apply(world)``: a *pure* judgement (:class:`Verdict`) from the :class:`PlanInput`,
 * ``apply(ctx)``: the change it makes, only through the hook points of :class:`TrainingContext`.
 
 The planner (``planner.py``) turns a strategy object and a world into a :class:`Plan` without
-running anything; the fleet engine then calls ``apply`` on each planned strategy in order.
+running anything; the fleet engine then calls ``apply`` on each planned strategy in order. The
+order comes from the declared relations alone (:func:`sort_strategies`: a topological sort,
+ties broken by name); a cycle is an :class:`OrderError` naming it.
 """
 from __future__ import annotations
 
 import abc
 import contextlib
 import enum
+import heapq
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional
 
 __all__ = [
     "Mode", "WorldInfo", "ModelInfo", "OptimizerInfo", "PlanInput", "Verdict", "PlanEntry",
     "Plan", "Strategy", "StrategyError", "TrainingContext", "register", "registered",
-    "RegistryError", "train_only",
+    "RegistryError", "OrderError", "train_only", "sort_strategies",
 ]
 
 
@@ -34,6 +40,10 @@ class StrategyError(ValueError):
 
 class RegistryError(KeyError):
     """A strategy name is registered twice, or an unknown name is looked up."""
+
+
+class OrderError(RegistryError):
+    """The declared ``runs_after`` / ``runs_before`` / ``requires`` relations form a cycle."""
 
 
 class Mode(str, enum.Enum):
@@ -272,15 +282,21 @@ def train_only(wrapper: Callable[[Any], Any]) -> Callable[[Any], Any]:
 class Strategy(abc.ABC):
     """Base class of every distributed strategy.
 
-    Subclasses set ``name`` (the ``DistributedStrategy`` switch), ``order`` (position in the
-    chain: lower applies first), and optionally ``requires`` / ``conflicts`` and ``implicit``
-    (enabled without a switch, like data parallel).
+    Subclasses set ``name`` (the ``DistributedStrategy`` switch) and optionally:
+
+    * ``requires``: strategies that must apply with it (it also runs after them);
+    * ``conflicts``: strategies it cannot be switched on beside, at any world size (declare
+      the pair on one side; the planner checks both directions);
+    * ``runs_after`` / ``runs_before``: strategies whose hooks must be installed before / after
+      its own when both apply (the planner sorts by these relations, never by a number);
+    * ``implicit``: enabled without a switch, like data parallel.
     """
 
     name: ClassVar[str]
-    order: ClassVar[int] = 100
     requires: ClassVar[tuple[type["Strategy"], ...]] = ()
     conflicts: ClassVar[tuple[type["Strategy"], ...]] = ()
+    runs_after: ClassVar[tuple[type["Strategy"], ...]] = ()
+    runs_before: ClassVar[tuple[type["Strategy"], ...]] = ()
     implicit: ClassVar[bool] = False
 
     def __init__(self, strategy: Any) -> None:
@@ -326,10 +342,87 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
+def _edges(classes: list[type[Strategy]]) -> dict[str, set[str]]:
+    """name -> names that must come before it, among ``classes`` only."""
+    present = {c.name for c in classes}
+    before: dict[str, set[str]] = {c.name: set() for c in classes}
+    for cls in classes:
+        ahead = {o.name for o in cls.runs_before}
+        for other in cls.runs_after + tuple(r for r in cls.requires if r.name not in ahead):
+            if other.name in present:
+                before[cls.name].add(other.name)
+        for other in cls.runs_before:
+            if other.name in present:
+                before[other.name].add(cls.name)
+    return before
+
+
+def _cycle(before: dict[str, set[str]]) -> list[str]:
+    """One cycle of the (cyclic) graph, as a closed path of names."""
+    path: list[str] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> Optional[list[str]]:
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in seen:
+            return None
+        seen.add(name)
+        path.append(name)
+        for prev in sorted(before[name]):
+            found = visit(prev)
+            if found:
+                return found
+        path.pop()
+        return None
+
+    for start in sorted(before):
+        found = visit(start)
+        if found:
+            return found[::-1]  # "a runs after b" edges point backwards: print in run order
+    return []
+
+
+def sort_strategies(classes) -> list[type[Strategy]]:
+    """``classes`` in application order: every declared relation among them holds, and
+    strategies no relation orders are taken by name (so the order is deterministic).
+
+    Relations to classes not in ``classes`` are ignored: a strategy that does not apply installs
+    nothing for another to come before or after.
+
+    Raises:
+        OrderError: the relations form a cycle (the message names it, ``a -> b -> a``).
+    """
+    classes = list(classes)
+    by_name = {c.name: c for c in classes}
+    before = _edges(classes)
+    ready = [n for n, prev in before.items() if not prev]
+    heapq.heapify(ready)
+    done: list[str] = []
+    while ready:
+        name = heapq.heappop(ready)
+        done.append(name)
+        for other, prev in before.items():
+            if name in prev:
+                prev.discard(name)
+                if not prev:
+                    heapq.heappush(ready, other)
+    if len(done) < len(classes):
+        cycle = _cycle(_edges(classes))
+        raise OrderError("the strategies' runs_after / runs_before / requires relations form a "
+                         "cycle: " + " -> ".join(cycle) + " (each must run after the one "
+                         "before it); remove one of these relations")
+    return [by_name[n] for n in done]
+
+
 def registered(name: Optional[str] = None):
-    """All registered strategy classes in application order, or the one named ``name``."""
+    """All registered strategy classes in application order, or the one named ``name``.
+
+    Raises:
+        RegistryError: an unknown name. OrderError: the relations form a cycle.
+    """
     if name is None:
-        return sorted(_REGISTRY.values(), key=lambda c: (c.order, c.name))
+        return sort_strategies(_REGISTRY.values())
     try:
         return _REGISTRY[name]
     except KeyError:

@@ -28,8 +28,21 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from fleetx.strategy.a_sync import ParameterServerStrategy
+from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.amp import AmpStrategy
 from fleetx.strategy.api import (OptimizerInfo, PlanInput, Strategy, TrainingContext, Verdict,
                                  register)
+from fleetx.strategy.comm_groups import CommGroupsStrategy
+from fleetx.strategy.data_parallel import DataParallelStrategy
+from fleetx.strategy.dgc import DGCStrategy
+from fleetx.strategy.fp16_allreduce import Fp16AllReduceStrategy
+from fleetx.strategy.gradient_merge import GradientMergeStrategy
+from fleetx.strategy.hierarchical_allreduce import HierarchicalAllReduceStrategy
+from fleetx.strategy.lamb import LambStrategy
+from fleetx.strategy.lars import LarsStrategy
+from fleetx.strategy.localsgd import LocalSGDStrategy
+from fleetx.strategy.sync_batch_norm import SyncBatchNormStrategy
 
 __all__ = ["BuildStrategyOptions", "ExecutionStrategyOptions", "changed_fields"]
 
@@ -44,7 +57,12 @@ def changed_fields(bag: Any) -> list[str]:
 class _BagOptions(Strategy):
     """A strategy for one option bag: maps what it can, lists the rest as no-ops."""
 
-    order = 90  # after strategies that replace the optimizer: options go to the final one
+    # Last of all: the options apply to the final optimizer, after every strategy that replaces
+    # or wraps it (lars, lamb, dgc, parameter server) or installs hooks around its step.
+    runs_after = (AdaptiveLocalSGDStrategy, AmpStrategy, CommGroupsStrategy, DataParallelStrategy,
+                  DGCStrategy, Fp16AllReduceStrategy, GradientMergeStrategy,
+                  HierarchicalAllReduceStrategy, LambStrategy, LarsStrategy, LocalSGDStrategy,
+                  ParameterServerStrategy, SyncBatchNormStrategy)
     # field -> (fn(value, optimizer info) -> what it does, or "" for no effect here)
     mapped: ClassVar[dict[str, Callable[[Any, OptimizerInfo], str]]] = {}
 

@@ -17,6 +17,7 @@ from typing import Any
 from fleetx.comm.hooks import Channels
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.data_parallel import DataParallelStrategy
+from fleetx.strategy.hierarchical_allreduce import HierarchicalAllReduceStrategy
 
 __all__ = ["CommGroupsStrategy"]
 
@@ -36,8 +37,9 @@ class CommGroupsStrategy(Strategy):
     """
 
     name = "nccl_comm_num"
-    order = 45
     requires = (DataParallelStrategy,)
+    # Every channel gets its own copy of the topology's groups (node and leader groups).
+    runs_after = (HierarchicalAllReduceStrategy,)
 
     @classmethod
     def enabled(cls, strategy: Any) -> bool:

@@ -34,7 +34,6 @@ class DataParallelStrategy(Strategy):
     """Wrap the model in ``DistributedDataParallel`` when the world has more than one process."""
 
     name = "data_parallel"
-    order = 0
     implicit = True
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

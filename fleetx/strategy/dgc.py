@@ -173,8 +173,6 @@ class DGCState:
 class DGCCodec(GradientCodec):
     """Sparsify the large gradients of a bucket; pass the rest down the pipeline dense."""
 
-    order = 10  # outermost: sparsify full-precision gradients; fp16 then casts the dense rest
-
     def __init__(self, state: DGCState) -> None:
         self.state = state
 
@@ -295,7 +293,6 @@ class DGCStrategy(Strategy):
     """
 
     name = "dgc"
-    order = 20
     requires = (DataParallelStrategy,)
     # amp: the loss scale would be baked into the residuals, and one inf step would poison them
     # for good. lars: compressed updates bypass its layer-wise rate. Local SGD: gradients are not

@@ -18,15 +18,17 @@ from torch.futures import Future
 
 from fleetx.comm.hooks import GradientCodec, Downstream
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
+from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.data_parallel import DataParallelStrategy
+from fleetx.strategy.dgc import DGCStrategy
+from fleetx.strategy.gradient_merge import GradientMergeStrategy
+from fleetx.strategy.localsgd import LocalSGDStrategy
 
 __all__ = ["Fp16AllReduceStrategy", "Fp16Codec"]
 
 
 class Fp16Codec(GradientCodec):
     """Cast float32 (or float64) gradients to float16 around the rest of the pipeline."""
-
-    order = 50  # inside DGC (which sparsifies first), outside the topology
 
     def run(self, bucket: object, tensor: torch.Tensor, link: Downstream) -> Future:
         if tensor.dtype in (torch.float16, torch.bfloat16):
@@ -51,8 +53,11 @@ class Fp16AllReduceStrategy(Strategy):
     """
 
     name = "fp16_allreduce"
-    order = 30
     requires = (DataParallelStrategy,)
+    # Codecs nest in plan order, first outermost: DGC sparsifies the full-precision gradients and
+    # this cast carries the dense rest. After the step schedules (gradient merge, local SGD),
+    # which decide when gradients are communicated at all.
+    runs_after = (DGCStrategy, GradientMergeStrategy, LocalSGDStrategy, AdaptiveLocalSGDStrategy)
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:
         world = plan_input.world

@@ -22,6 +22,7 @@ from typing import Any
 from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
+from fleetx.strategy.data_parallel import DataParallelStrategy
 from fleetx.strategy.localsgd import LocalSGDStrategy
 
 __all__ = ["GradientMergeConfig", "GradientMergeStrategy"]
@@ -72,7 +73,8 @@ class GradientMergeStrategy(Strategy):
     """Accumulate ``k_steps`` micro-steps locally; communicate and step once."""
 
     name = "gradient_merge"
-    order = 20  # its boundary guard runs before AMP's inf check
+    # On top of data parallel: it decides on which micro-steps DDP synchronises.
+    runs_after = (DataParallelStrategy,)
     # Local SGD already steps without communicating; which micro-steps would count as its steps
     # is ambiguous, and Paddle never chains the two either.
     conflicts = (LocalSGDStrategy, AdaptiveLocalSGDStrategy)

@@ -121,7 +121,6 @@ class HierarchicalAllReduceStrategy(Strategy):
     """
 
     name = "use_hierarchical_allreduce"
-    order = 40
     requires = (DataParallelStrategy,)
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

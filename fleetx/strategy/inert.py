@@ -51,7 +51,6 @@ class InertSwitches(Strategy):
     """Never applies; warns in the plan when a switch without effect was set."""
 
     name = "inert_switches"
-    order = 10_000
 
     @classmethod
     def enabled(cls, strategy: Any) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from fleetx.optim import Lamb, check_exclusions, ends_with, split_groups
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
+from fleetx.strategy.data_parallel import DataParallelStrategy
 
 __all__ = ["LambConfig", "LambStrategy"]
 
@@ -49,7 +50,7 @@ class LambStrategy(Strategy):
     """Replace the Adam optimizer by LAMB."""
 
     name = "lamb"
-    order = 40
+    runs_after = (DataParallelStrategy,)  # no data dependency: listed after the engine
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:
         if plan_input.world.mode is not Mode.COLLECTIVE:

@@ -123,7 +123,6 @@ class LocalSGDStrategy(Strategy):
     """DDP until ``begin_step``, then local steps and a parameter average every ``k_steps``."""
 
     name = "localsgd"
-    order = 10
     requires = (DataParallelStrategy,)
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:
@@ -150,7 +149,7 @@ class LocalSGDStrategy(Strategy):
             if state.advance():
                 average(model_parameters(ctx))
 
+        ctx.after_step.append(after_step)
         # Between averages (and after the last step) the ranks' parameters differ; the
         # optimizer wrapper's average_parameters() ends that, e.g. before a save.
         ctx.optimizer_methods["average_parameters"] = lambda: average(model_parameters(ctx))
-        ctx.after_step.append(after_step)

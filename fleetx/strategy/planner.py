@@ -1,8 +1,9 @@
 """Decide, then do: turn a strategy and a world into a :class:`~fleetx.strategy.api.Plan`.
 
 :func:`make_plan` is a pure function: it asks every registered strategy for its verdict on the
-same :class:`~fleetx.strategy.api.PlanInput`, checks the declared ``requires`` / ``conflicts``
-between the ones that apply, and returns the ordered plan with a reason for every strategy. It
+same :class:`~fleetx.strategy.api.PlanInput`, checks the declared ``conflicts`` between the ones
+switched on and the ``requires`` of the ones that apply, sorts the applied ones by their declared
+``runs_after`` / ``runs_before`` relations and returns the plan with a reason for every strategy. It
 never communicates, so ``fleet.explain()`` and ``fleetrun --dry-run`` can show it up front and
 unit tests can call it with no processes.
 """
@@ -14,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import fleetx.strategy
 from fleetx.strategy.api import (ModelInfo, OptimizerInfo, Plan, PlanEntry, PlanInput,
-                                 StrategyError, WorldInfo, registered)
+                                 StrategyError, WorldInfo, registered, sort_strategies)
 
 __all__ = ["make_plan", "plan_for", "load_strategies"]
 
@@ -33,41 +34,61 @@ def load_strategies() -> None:
 def make_plan(plan_input: PlanInput, strategies: Optional[Sequence[type]] = None) -> Plan:
     """The ordered strategies to apply to ``plan_input`` and the reason for each one not applied.
 
-    ``strategies`` defaults to every registered strategy, in application order.
+    ``strategies`` defaults to every registered strategy. The applied ones are put in the order
+    their declared relations give (:func:`~fleetx.strategy.api.sort_strategies`); the others
+    follow in the same order over all candidates.
+
+    Conflicts are judged between the strategies the user switched on, whether or not they apply
+    at this world size, so a one-process run fails as the same job on N processes would.
 
     Raises:
-        StrategyError: an enabled strategy's precondition is unmet, or two applicable strategies
-            conflict or miss a requirement. The message names every such strategy and why.
+        StrategyError: an enabled strategy's precondition is unmet, two enabled strategies
+            conflict, or an applicable one misses a requirement. The message names every such
+            strategy, why, and the fix.
+        OrderError: the declared relations form a cycle.
     """
     if strategies is None:
         load_strategies()
-    candidates = list(registered() if strategies is None else strategies)
-    entries: list[PlanEntry] = []
+    candidates = sort_strategies(registered() if strategies is None else strategies)
+    entries: dict[str, PlanEntry] = {}
     errors: list[str] = []
     for cls in candidates:
         if not cls.enabled(plan_input.strategy):
-            entries.append(PlanEntry(cls.name, False, "off", enabled=False))
+            entries[cls.name] = PlanEntry(cls.name, False, "off", enabled=False)
             continue
         verdict = cls(plan_input.strategy).can_apply(plan_input)
         if verdict.error:
             errors.append(f"{cls.name}: {verdict.reason}")
-        entries.append(PlanEntry(cls.name, verdict.apply, verdict.reason, warn=verdict.warn))
-    applied = {e.name for e in entries if e.applied}
-    for cls in candidates:
-        if cls.name not in applied:
-            continue
-        for need in cls.requires:
-            if need.name not in applied:
-                errors.append(f"{cls.name}: requires {need.name}, which does not apply here "
-                              f"(set strategy.{need.name} = True)")
-        for other in cls.conflicts:
-            if other.name in applied:
-                errors.append(f"{cls.name}: cannot be combined with {other.name}; "
-                              f"switch one of them off")
+        entries[cls.name] = PlanEntry(cls.name, verdict.apply, verdict.reason, warn=verdict.warn)
+    errors += _conflicts(candidates, entries)
     if errors:
         raise StrategyError("the distributed strategy cannot run as configured:\n  "
                             + "\n  ".join(errors))
-    return Plan(plan_input.world, tuple(entries))
+    applied = sort_strategies(c for c in candidates if entries[c.name].applied)
+    rest = [entries[c.name] for c in candidates if not entries[c.name].applied]
+    return Plan(plan_input.world, tuple(entries[c.name] for c in applied) + tuple(rest))
+
+
+def _conflicts(candidates: Sequence[type], entries: dict[str, PlanEntry]) -> list[str]:
+    """Declared conflicts between switched-on strategies, and unmet requirements of applied
+    ones, in words."""
+    errors = []
+    by_class = {c: entries[c.name] for c in candidates}
+    for cls in candidates:
+        entry = by_class[cls]
+        if entry.applied:
+            for need in cls.requires:
+                if need in by_class and not by_class[need].applied:
+                    errors.append(f"{cls.name}: requires {need.name}, which does not apply here "
+                                  f"(set strategy.{need.name} = True)")
+        if not entry.enabled or cls.implicit:
+            continue
+        for other in cls.conflicts:
+            if other in by_class and by_class[other].enabled and not other.implicit:
+                errors.append(f"{cls.name}: cannot be combined with {other.name} (at any "
+                              f"number of processes); switch one of them off: "
+                              f"strategy.{cls.name} = False or strategy.{other.name} = False")
+    return errors
 
 
 def plan_for(strategy: Any, world: WorldInfo, model: Optional[Any] = None,

@@ -29,8 +29,9 @@ class SyncBatchNormStrategy(Strategy):
     """
 
     name = "sync_batch_norm"
-    order = -10  # its model wrapper must run before data parallel wraps the model in DDP
     requires = (DataParallelStrategy,)
+    # its model wrapper must convert the layers before data parallel wraps the model in DDP
+    runs_before = (DataParallelStrategy,)
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:
         world = plan_input.world

@@ -105,11 +105,12 @@ def test_one_topology_and_one_channel_setting_at_most():
         Channels(0)
 
 
-def test_codecs_nest_by_order_and_the_topology_is_innermost(group):
+def test_codecs_nest_in_the_order_given_and_the_topology_is_innermost(group):
     log, topo = [], Summing()
-    # Given out of order: 50 must run inside 10.
-    state, hook = compose([(None, Recorder(50, log, 10.0)), (None, Recorder(10, log, 3.0)),
-                           (None, topo)], group)
+    # The first given is outermost (strategies add their codecs in plan order); the topology
+    # is innermost wherever it is listed.
+    state, hook = compose([(None, Recorder(10, log, 3.0)), (None, topo),
+                           (None, Recorder(50, log, 10.0))], group)
     bucket = FakeBucket([param(1.0, 2.0)])
     result = hook(state, bucket).wait()
     assert [o for o, _ in log] == [10, 50]

@@ -14,6 +14,7 @@ from fleetx.strategy.api import (Mode, OptimizerInfo, PlanInput, TrainingContext
 from fleetx.strategy.build_execution import (BuildStrategyOptions, ExecutionStrategyOptions,
                                              changed_fields)
 from fleetx.strategy.comm_groups import CommGroupsStrategy
+from fleetx.strategy.data_parallel import DataParallelStrategy
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.fp16_allreduce import Fp16AllReduceStrategy, Fp16Codec
 from fleetx.strategy.hierarchical_allreduce import (HierarchicalAllReduceStrategy,
@@ -122,7 +123,8 @@ def test_all_communication_strategies_in_one_plan():
 def test_sync_batch_norm_converts_before_ddp_on_gpu():
     gpu = WorldInfo(world_size=2, device="cuda")
     v = judge(SyncBatchNormStrategy, gpu, sync_batch_norm=True)
-    assert v.apply and SyncBatchNormStrategy.order < 0  # its wrapper runs before DDP's
+    # its wrapper runs before DDP's
+    assert v.apply and DataParallelStrategy in SyncBatchNormStrategy.runs_before
     ctx = TrainingContext(gpu, strategy(sync_batch_norm=True))
     SyncBatchNormStrategy(ctx.strategy).apply(ctx)
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))

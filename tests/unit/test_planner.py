@@ -54,7 +54,7 @@ def test_apply_installs_ddp_options():
 
 # Toy strategies (not registered: passed to make_plan explicitly) for requires/conflicts/warnings.
 class _Alpha(Strategy):
-    name, order = "_alpha", 900
+    name, runs_after = "_alpha", (DataParallelStrategy,)
 
     def can_apply(self, p):
         if p.optimizer.class_name == "Adam":
@@ -68,7 +68,7 @@ class _Alpha(Strategy):
 
 
 class _Beta(Strategy):
-    name, order, requires = "_beta", 901, (_Alpha,)
+    name, requires = "_beta", (_Alpha,)
 
     def can_apply(self, p):
         return Verdict.ok()
@@ -78,7 +78,7 @@ class _Beta(Strategy):
 
 
 class _Gamma(Strategy):
-    name, order, conflicts = "_gamma", 902, (_Alpha,)
+    name, conflicts = "_gamma", (_Alpha,)
 
     def can_apply(self, p):
         return Verdict.ok()
@@ -101,7 +101,7 @@ def toy(**on):
                            _beta=on.get("b", False), _gamma=on.get("g", False))
 
 
-def test_order_follows_registration_order_field():
+def test_order_follows_the_declared_relations():
     plan = toy_plan(toy(a=True, b=True), WorldInfo(world_size=2))
     assert plan.applied == ("data_parallel", "_alpha", "_beta")
 
