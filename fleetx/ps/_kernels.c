@@ -77,83 +77,110 @@ static void release(Buf *b, int n) {
 
 /* ---- index ---------------------------------------------------------------------------- */
 
+/* Checked before any probe: an empty slots array would make mask = 2^64 - 1 (reads far out of
+ * bounds) and a capacity that is not a power of two would skip slots. */
+static int check_slots(Py_ssize_t len, const char *fn) {
+    Py_ssize_t cap = len / 2;
+    if (len < 2 || len % 2 || (cap & (cap - 1))) {
+        PyErr_Format(PyExc_ValueError, "%s: slots must hold 2 * capacity int64 entries with the "
+                     "capacity a power of two >= 1; got %zd entries", fn, len);
+        return -1;
+    }
+    return 0;
+}
+
+/* The one probe loop of the index: the slot holding key k, or the first empty slot on its
+ * probe path (the caller tells them apart by the slot's row, -1 when empty). Returns -1 when
+ * every slot was visited without either: a full table that lacks k. Bounding the loop by the
+ * capacity is what keeps a full table from spinning forever with the GIL released. */
+static inline int64_t probe(const int64_t *slots, uint64_t mask, int64_t k) {
+    uint64_t h = mix64((uint64_t)k + INDEX_SALT) & mask;
+    for (uint64_t visited = 0; visited <= mask; visited++, h = (h + 1) & mask)
+        if (slots[2 * h + 1] < 0 || slots[2 * h] == k) return (int64_t)h;
+    return -1;
+}
+
+static PyObject *index_full(const char *fn, Py_ssize_t cap) {
+    return PyErr_Format(PyExc_ValueError, "%s: the index is full (all %zd slots taken) and a key "
+                        "is absent; grow the slots before inserting", fn, cap);
+}
+
 /* index_find(slots, keys, out_rows) -> number of keys not found (their row is -1) */
 static PyObject *index_find(PyObject *self, PyObject *args) {
     PyObject *o[3];
     Buf b[3];
     if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
     if (get_buf(o[0], &b[0], 'i', 0, "slots") || get_buf(o[1], &b[1], 'i', 0, "keys") ||
-        get_buf(o[2], &b[2], 'i', 1, "out_rows")) {
+        get_buf(o[2], &b[2], 'i', 1, "out_rows") || check_slots(LEN(b[0]), "index_find")) {
         release(b, 3);
         return NULL;
     }
-    Py_ssize_t n = LEN(b[1]);
-    uint64_t mask = (uint64_t)(LEN(b[0]) / 2) - 1;
+    Py_ssize_t n = LEN(b[1]), cap = LEN(b[0]) / 2;
+    uint64_t mask = (uint64_t)cap - 1;
     if (LEN(b[2]) < n) {
         release(b, 3);
-        return PyErr_Format(PyExc_ValueError, "out_rows is shorter than keys");
+        return PyErr_Format(PyExc_ValueError, "index_find: out_rows is shorter than keys");
     }
     const int64_t *slots = I64(b[0]), *keys = I64(b[1]);
     int64_t *out = I64(b[2]);
     Py_ssize_t missing = 0;
+    int full = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t k = keys[i];
-        uint64_t h = mix64((uint64_t)k + INDEX_SALT) & mask;
-        for (;;) {
-            int64_t r = slots[2 * h + 1];
-            if (r < 0) { out[i] = -1; missing++; break; }
-            if (slots[2 * h] == k) { out[i] = r; break; }
-            h = (h + 1) & mask;
-        }
+        int64_t h = probe(slots, mask, keys[i]);
+        if (h < 0) { full = 1; break; }
+        out[i] = slots[2 * h + 1];
+        missing += out[i] < 0;
     }
     Py_END_ALLOW_THREADS
     release(b, 3);
+    if (full) return index_full("index_find", cap);
     return PyLong_FromSsize_t(missing);
 }
 
 /* index_insert(slots, row_keys, keys, out_rows, next_row) -> new next_row.
- * Missing keys get rows next_row, next_row + 1, ... and row_keys[row] = key. The caller
- * guarantees free slots and row_keys capacity for every key. */
+ * Missing keys get rows next_row, next_row + 1, ... and row_keys[row] = key. Refused (nothing
+ * written) unless row_keys and the slots have room for every key to be new; a full table met
+ * anyway (slots that hold more keys than next_row says) is an error, not an endless probe. */
 static PyObject *index_insert(PyObject *self, PyObject *args) {
     PyObject *o[4];
     Buf b[4];
     long long next_row;
     if (!PyArg_ParseTuple(args, "OOOOL", &o[0], &o[1], &o[2], &o[3], &next_row)) return NULL;
     if (get_buf(o[0], &b[0], 'i', 1, "slots") || get_buf(o[1], &b[1], 'i', 1, "row_keys") ||
-        get_buf(o[2], &b[2], 'i', 0, "keys") || get_buf(o[3], &b[3], 'i', 1, "out_rows")) {
+        get_buf(o[2], &b[2], 'i', 0, "keys") || get_buf(o[3], &b[3], 'i', 1, "out_rows") ||
+        check_slots(LEN(b[0]), "index_insert")) {
         release(b, 4);
         return NULL;
     }
     Py_ssize_t n = LEN(b[2]);
     Py_ssize_t cap = LEN(b[0]) / 2, rk = LEN(b[1]);
-    if (LEN(b[3]) < n || next_row + n > rk || next_row + n > cap) {
+    if (LEN(b[3]) < n || next_row < 0 || next_row + n > rk || next_row + n > cap) {
         release(b, 4);
-        return PyErr_Format(PyExc_ValueError, "index_insert: not enough room");
+        return PyErr_Format(PyExc_ValueError, "index_insert: not enough room for %zd keys from "
+                            "row %lld (row_keys holds %zd, the slots %zd, out_rows %zd)", n,
+                            next_row, rk, cap, LEN(b[3]));
     }
     uint64_t mask = (uint64_t)cap - 1;
     int64_t *slots = I64(b[0]), *row_keys = I64(b[1]), *out = I64(b[3]);
     const int64_t *keys = I64(b[2]);
     int64_t nr = next_row;
+    int full = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t k = keys[i];
-        uint64_t h = mix64((uint64_t)k + INDEX_SALT) & mask;
-        for (;;) {
-            int64_t r = slots[2 * h + 1];
-            if (r < 0) {
-                slots[2 * h] = k;
-                slots[2 * h + 1] = nr;
-                row_keys[nr] = k;
-                out[i] = nr++;
-                break;
-            }
-            if (slots[2 * h] == k) { out[i] = r; break; }
-            h = (h + 1) & mask;
+        int64_t k = keys[i], h = probe(slots, mask, k);
+        if (h < 0) { full = 1; break; }
+        if (slots[2 * h + 1] < 0) {
+            slots[2 * h] = k;
+            slots[2 * h + 1] = nr;
+            row_keys[nr] = k;
+            nr++;
         }
+        out[i] = slots[2 * h + 1];
     }
     Py_END_ALLOW_THREADS
     release(b, 4);
+    if (full) return index_full("index_insert", cap);
     return PyLong_FromLongLong(nr);
 }
 

@@ -117,6 +117,7 @@ class KVClient:
         for r in replies:
             self.initialized |= set(r.meta.get("initialized", ()))
         self._registered = True
+        kernels.log_backend(log, f"worker {self.rank}")
 
     def _connect(self, host: str, port: int, name: str, key: bytes) -> Link:
         """A link to one server over the configured transport (``PSConfig.transport``), not

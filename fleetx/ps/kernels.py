@@ -9,16 +9,26 @@ Row layouts and the index format are described at the top of ``_kernels.c``.
 """
 from __future__ import annotations
 
+import logging
+import warnings
+
 import numpy as np
 
 try:  # built by ``pip install -e .`` (setup.py); optional
     from fleetx.ps import _kernels as _c
-except ImportError:  # pragma: no cover - depends on the build
+    _C_MISSING = ""
+except ImportError as e:  # pragma: no cover - depends on the build
     _c = None
+    _C_MISSING = str(e)
 
-__all__ = ["backend", "set_backend", "mix64", "INDEX_SALT", "index_find", "index_insert",
-           "gather", "segment_sum", "apply_sgd", "apply_adagrad", "apply_adam", "apply_sum",
-           "unique_inverse"]
+__all__ = ["backend", "set_backend", "describe", "log_backend", "mix64", "INDEX_SALT",
+           "index_find", "index_insert", "gather", "segment_sum", "apply_sgd", "apply_adagrad",
+           "apply_adam", "apply_sum", "unique_inverse"]
+
+# Measured with benchmarks/ps_table.py (pull + push of one Adam table, docs/parameter_server.md).
+SLOWDOWN = "about 8x slower"
+FIX = ("install a C compiler and the Python headers (`bash scripts/setup.sh` does, or "
+       "`apt-get install gcc python3-dev`) and reinstall fleetx (`pip install -e .`)")
 
 INDEX_SALT = np.uint64(0x2545F4914F6CDD1D)
 _M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), \
@@ -33,12 +43,44 @@ def backend() -> str:
     return "c" if _use_c else "numpy"
 
 
+def describe() -> str:
+    """The active backend in words, for logs and ``fleet.explain()``: ``"C kernels"``, or
+    ``"numpy fallback (...)"`` with the reason and, when the extension is missing, the fix."""
+    if _use_c:
+        return "C kernels"
+    if _c is not None:
+        return "numpy fallback (chosen with kernels.set_backend('numpy'); C kernels are built)"
+    return (f"numpy fallback ({SLOWDOWN} than the C kernels, which are not built: "
+            f"{_C_MISSING}); to fix, {FIX}")
+
+
+_warned = False
+
+
+def log_backend(log: logging.Logger, who: str) -> None:
+    """Log which backend ``who`` (a server, a worker) runs on; on the numpy fallback for want of
+    the extension, also warn once per process (``logging`` and :mod:`warnings`).
+
+    Args:
+        log: the logger of the caller.
+        who: names the process in the line, e.g. ``"server 0"``.
+    """
+    global _warned
+    if _use_c or _c is not None:
+        log.info("%s: parameter-server kernels: %s", who, describe())
+        return
+    log.warning("%s: parameter-server kernels: %s", who, describe())
+    if not _warned:
+        _warned = True
+        warnings.warn(f"fleetx.ps runs on its numpy fallback, {SLOWDOWN} than its C kernels; "
+                      f"to fix, {FIX}", RuntimeWarning, stacklevel=2)
+
+
 def set_backend(name: str) -> None:
     """Select ``"c"`` (raises ImportError when the extension is not built) or ``"numpy"``."""
     global _use_c
     if name == "c" and _c is None:
-        raise ImportError("fleetx.ps._kernels is not built; run `pip install -e .` with a C "
-                          "compiler available")
+        raise ImportError(f"fleetx.ps._kernels is not built ({_C_MISSING}); to fix, {FIX}")
     if name not in ("c", "numpy"):
         raise ValueError(f"backend {name!r}: expected 'c' or 'numpy'")
     _use_c = name == "c"
@@ -59,12 +101,19 @@ def _slot_of(keys: np.ndarray, mask: int) -> np.ndarray:
     return (mix64(keys.view(np.uint64) + INDEX_SALT) & np.uint64(mask)).astype(np.int64)
 
 
-def _np_find(slots: np.ndarray, keys: np.ndarray, out: np.ndarray) -> int:
+def _index_full(fn: str, cap: int) -> ValueError:
+    return ValueError(f"{fn}: the index is full (all {cap} slots taken) and a key is absent; "
+                      "grow the slots before inserting")
+
+
+def _np_find(slots: np.ndarray, keys: np.ndarray, out: np.ndarray, fn: str = "index_find") -> int:
     pairs = slots.reshape(-1, 2)
     mask = len(pairs) - 1
     pending = np.arange(len(keys))
     h = _slot_of(keys, mask)
-    while pending.size:  # one vectorised probe round per iteration
+    for _ in range(len(pairs)):  # one vectorised probe round each; a key visits every slot
+        if not pending.size:
+            break
         k, r = pairs[h, 0], pairs[h, 1]
         empty = r < 0
         hit = ~empty & (k == keys[pending])
@@ -72,11 +121,13 @@ def _np_find(slots: np.ndarray, keys: np.ndarray, out: np.ndarray) -> int:
         out[pending[hit]] = r[hit]
         cont = ~(empty | hit)
         pending, h = pending[cont], (h[cont] + 1) & mask
+    if pending.size:
+        raise _index_full(fn, len(pairs))
     return int(np.count_nonzero(out[:len(keys)] < 0))
 
 
 def _np_insert(slots, row_keys, keys, out, next_row: int) -> int:
-    if _np_find(slots, keys, out) == 0:
+    if _np_find(slots, keys, out, "index_insert") == 0:
         return next_row
     pairs = slots.reshape(-1, 2)
     mask = len(pairs) - 1
@@ -90,7 +141,12 @@ def _np_insert(slots, row_keys, keys, out, next_row: int) -> int:
     out[miss] = rows[rank[inv]]
     row_keys[rows] = new_keys
     pending, h = np.arange(len(new_keys)), _slot_of(new_keys, mask)
-    while pending.size:
+    # A key moves on when its slot is taken and stays when it lost a free slot to another key,
+    # which then holds it: each round either places a key or moves every other one on, so
+    # len(new_keys) + capacity rounds place them all unless the table is full.
+    for _ in range(len(new_keys) + len(pairs)):
+        if not pending.size:
+            break
         free = pairs[h, 1] < 0
         cand, hs = pending[free], h[free]
         _, win = np.unique(hs, return_index=True)  # one key per free slot per round
@@ -101,17 +157,52 @@ def _np_insert(slots, row_keys, keys, out, next_row: int) -> int:
         pending, h = pending[~placed], h[~placed]
         h[~free[~placed]] += 1  # occupied slots: probe on; losers retry the same slot
         h &= mask
+    if pending.size:
+        raise _index_full("index_insert", len(pairs))
     return next_row + len(new_keys)
 
 
+def _check_index(fn: str, slots: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
+    """The preconditions both backends need (an empty ``slots`` crashed the C probe)."""
+    for name, a in (("slots", slots), ("keys", keys), ("out", out)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1 \
+                or not a.flags.c_contiguous:
+            raise TypeError(f"{fn}: {name} must be a contiguous 1-D int64 array; got "
+                            f"{getattr(a, 'dtype', type(a).__name__)} of shape "
+                            f"{getattr(a, 'shape', '?')}")
+    cap = len(slots) // 2
+    if len(slots) < 2 or len(slots) % 2 or cap & (cap - 1):
+        raise ValueError(f"{fn}: slots must hold 2 * capacity int64 entries with the capacity a "
+                         f"power of two >= 1; got {len(slots)} entries")
+    if len(out) < len(keys):
+        raise ValueError(f"{fn}: out holds {len(out)} rows, fewer than the {len(keys)} keys")
+
+
 def index_find(slots: np.ndarray, keys: np.ndarray, out: np.ndarray) -> int:
-    """Rows of ``keys`` into ``out`` (-1 where missing); returns how many are missing."""
+    """Rows of ``keys`` into ``out`` (-1 where missing); returns how many are missing.
+
+    Raises:
+        TypeError: an argument is not a contiguous 1-D int64 array.
+        ValueError: ``slots`` is not 2 * a power of two long, ``out`` is shorter than ``keys``,
+            or the index is full and a key is absent.
+    """
+    _check_index("index_find", slots, keys, out)
     return _c.index_find(slots, keys, out) if _use_c else _np_find(slots, keys, out)
 
 
 def index_insert(slots, row_keys, keys, out, next_row: int) -> int:
     """Rows of ``keys`` into ``out``, giving missing keys new rows from ``next_row`` on in order
-    of first occurrence (``row_keys[row] = key``); returns the next free row."""
+    of first occurrence (``row_keys[row] = key``); returns the next free row.
+
+    Raises:
+        TypeError, ValueError: as :func:`index_find`; also when ``row_keys`` or the slots lack
+            room for every key to be new (nothing is written then).
+    """
+    _check_index("index_insert", slots, keys, out)
+    room = min(len(row_keys), len(slots) // 2)
+    if next_row < 0 or next_row + len(keys) > room:
+        raise ValueError(f"index_insert: not enough room for {len(keys)} keys from row {next_row} "
+                         f"(row_keys holds {len(row_keys)}, the slots {len(slots) // 2})")
     if _use_c:
         return _c.index_insert(slots, row_keys, keys, out, next_row)
     return _np_insert(slots, row_keys, keys, out, next_row)

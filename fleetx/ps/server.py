@@ -41,7 +41,7 @@ import time
 from typing import Optional
 
 from fleetx.checkpoint import CheckpointError, SaveWriter
-from fleetx.ps import requests
+from fleetx.ps import kernels, requests
 from fleetx.ps.api import (PSConfigError, Kind, Mode, PeerLostError, ProtocolError, PSConfig,
                            PSError, Tables, endpoint_of)
 from fleetx.ps.checkpoint import confine
@@ -157,6 +157,7 @@ class PSServer:
         log.info("%s: listening on %s (%s), mode %s, %d workers expected", self.name,
                  self.endpoint, self.config.transport, self.config.mode.value,
                  self.config.num_workers)
+        kernels.log_backend(log, self.name)
         return self
 
     def run(self) -> None:

@@ -208,6 +208,9 @@ class Plan:
                 lines.append(f"  -  {e.name:<26} {tag}   {e.reason}".rstrip())
         if not self.applied:
             lines.append("  (no strategy applies: plain local training)")
+        if w.mode is Mode.PS:  # the server-side update rules run on one of two backends
+            from fleetx.ps import kernels
+            lines.append(f"  parameter-server kernels: {kernels.describe()}")
         return "\n".join(lines)
 
 

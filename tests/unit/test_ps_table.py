@@ -1,4 +1,7 @@
 """Id index, sparse/dense tables, per-id initialisation, and the partition function."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -9,7 +12,8 @@ from fleetx.ps.partition import dense_ranges, route, server_of, shard_of
 from fleetx.ps.rules import make_rule
 from fleetx.ps.table import IdIndex, SparseTable
 
-BACKENDS = ["numpy"] + (["c"] if kernels._c is not None else [])
+sys.path.insert(0, str(Path(__file__).parent))
+from ps_backends import KERNEL_BACKENDS as BACKENDS  # noqa: E402
 
 
 @pytest.fixture(params=BACKENDS)
