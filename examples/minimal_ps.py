@@ -2,6 +2,11 @@
 
     fleetrun --server_num 1 --worker_num 2 examples/minimal_ps.py      # 1 server, 2 workers
     python examples/minimal_ps.py                                      # one process, no servers
+    ... minimal_ps.py --save model          # then, to go on from it:  --resume model
+
+``--resume DIR`` starts from a folder ``--save`` wrote (by this job or by one with another
+number of servers, or by a single process): the servers load the tables they hold, or, with no
+servers, this process loads them all. ``--epochs 0 --resume DIR`` only evaluates the saved model.
 
 Every process runs this same file; ``fleet.init()`` tells it whether it is a server or a
 worker. Servers build the model too: that is how they learn the shapes of the tables they hold.
@@ -83,6 +88,8 @@ def main() -> None:
     ap.add_argument("--batch_size", type=int, default=128)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--save", default=None, help="folder for fleet.save_persistables")
+    ap.add_argument("--resume", default=None, help="start from this --save folder")
+    ap.add_argument("--limit", type=int, default=0, help="train on this many rows only (tests)")
     args = ap.parse_args()
 
     fleet.init()  # a parameter-server job: the role comes from fleetrun's environment
@@ -97,13 +104,21 @@ def main() -> None:
     optimizer = fleet.distributed_optimizer(
         torch.optim.Adagrad(model.parameters(), lr=args.lr), strategy)
 
+    if fleet.is_server() or fleet.server_num() == 0:
+        # Servers load the tables they hold; a process without servers holds them all itself
+        # (plain python): it must load them too, or --resume would be ignored.
+        fleet.init_server(args.resume)
     if fleet.is_server():
-        fleet.init_server()
         fleet.run_server()  # returns once every worker called stop_worker
         return
 
     fleet.init_worker()
     rank, workers = fleet.worker_index(), fleet.worker_num()
+    if args.resume and fleet.server_num():
+        fleet.util.print_on_rank(f"loaded from {os.path.abspath(args.resume)} (by the "
+                                 f"{fleet.server_num()} server(s))", 0)
+    if args.limit:
+        train = tuple(a[:args.limit] for a in train)
     ids, dense, label = (torch.from_numpy(a[rank::workers]) for a in train)  # my share
     loss_fn = nn.BCEWithLogitsLoss()
     for epoch in range(args.epochs):
@@ -128,7 +143,7 @@ def main() -> None:
     fleet.util.print_on_rank(f"held-out AUC {auc.global_auc():.4f} ({args.mode} mode, "
                              f"{workers} worker(s), {fleet.server_num()} server(s))", 0)
     if args.save:
-        fleet.save_persistables(args.save)  # the first worker asks every server to save
+        fleet.save_persistables(args.save)  # worker 0 asks every server to save: "saved to"
     fleet.stop_worker()
 
 

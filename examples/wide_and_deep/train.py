@@ -8,6 +8,10 @@ Every process runs this script: servers serve the two embedding tables and the M
 workers train on their shard of the training split. Worker 0 prints samples/s and the loss every
 few seconds and, after each epoch, the AUC on the held-out split: every worker scores its share
 and ``fleetx.metrics.auc`` sums their histograms, so the figure covers the whole split.
+
+``--save DIR`` saves the model after training; ``--resume DIR`` starts from such a folder, in any
+mode and with any number of servers, or in one process without any (``--epochs 0``: evaluate
+it only).
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=0, help="train on this many rows only (tests)")
     ap.add_argument("--target", type=float, default=0.0,
                     help="exit with an error if the final held-out AUC is below this")
+    ap.add_argument("--save", default=None, help="save the model here after training")
+    ap.add_argument("--resume", default=None, help="start from a folder --save wrote")
     return ap.parse_args()
 
 
@@ -92,20 +98,28 @@ def main() -> None:
     model = fleet.distributed_model(WideAndDeep(vocabulary))
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
                                       strategy_for(args.mode, args.k_steps))
+    if fleet.is_server() or fleet.server_num() == 0:
+        # Servers load the tables they hold; one process without servers (plain python) holds
+        # them all itself, so it loads them too.
+        fleet.init_server(args.resume)
     if fleet.is_server():
-        fleet.init_server()
         fleet.run_server()
         return
 
     fleet.init_worker()
     rank, workers = fleet.worker_index(), fleet.worker_num()
     say = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
+    if args.resume and fleet.server_num():
+        say(f"loaded from {Path(args.resume).resolve()} (by the {fleet.server_num()} "
+            f"server(s))")
     if args.limit:
         train = train.head(args.limit)
     mine, my_test = train.shard(rank, workers), held_out.shard(rank, workers)
     say(f"wide&deep, {args.mode} mode: {workers} workers, {fleet.server_num()} servers; "
         f"{len(train)} training rows, {len(held_out)} held out")
-    auc = 0.5
+    auc = evaluate(model, my_test).global_auc() if args.epochs == 0 else 0.5
+    if args.epochs == 0:
+        say(f"held-out AUC {auc:.4f}")
     for epoch in range(args.epochs):
         t0 = time.perf_counter()
         loss_sum, seen = train_epoch(model, opt, mine, args.batch, args.seed * 1000 + epoch * 10
@@ -115,6 +129,8 @@ def main() -> None:
         auc = evaluate(model, my_test).global_auc()
         say(f"epoch {epoch + 1}/{args.epochs}: loss {totals[0] / totals[1]:.4f}, "
             f"{totals[2]:.0f} samples/s, held-out AUC {auc:.4f}")
+    if args.save:
+        fleet.save_persistables(args.save)  # worker 0 asks every server: "saved to <path>"
     fleet.stop_worker()
     if auc < args.target:
         raise SystemExit(f"held-out AUC {auc:.4f} is below the target {args.target}")

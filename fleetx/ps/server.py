@@ -109,6 +109,8 @@ class PSServer:
         if load_dir:
             load_dir = confine(load_dir, self.save_root)
         self.shard = Shard(config, index, tables, load_dir, capacity)
+        if load_dir:
+            log.info("%s: loaded from %s", self.name, load_dir)
         self._queue: queue.Queue = queue.Queue()
         self._workers: dict[int, _Worker] = {}
         self._lost: list[PeerLostError] = []

@@ -16,12 +16,19 @@ in place). Then:
   tables live in-process (:class:`LocalSparseBackend`) with the servers' rules, and dense
   parameters are stepped by the user's optimizer.
 
-A worker prints ``samples/s`` and the mean loss every ``log_interval`` seconds.
+A worker prints ``samples/s`` and the mean loss every ``log_interval`` seconds, and says where
+it saved (``saved to <path>``) and, alone, where it loaded from (``loaded from <path>``).
+
+A script run alone (plain ``python``, no servers) that calls ``init_server(dirname)`` only in
+its server branch never loads the checkpoint: that branch does not run. Evaluating such a
+never-trained, never-loaded model would silently score the initial weights, so the first
+evaluation forward raises :class:`StateError` naming the fix instead.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from typing import Any, Callable, Iterator, Optional
 
@@ -52,10 +59,12 @@ class _LocalSession:
         self.backend = LocalSparseBackend(layout.tables)
         self.backend.assign(layout.initial_sparse())
         if load_dir:
-            checkpoint.load_server(load_dir, 0, 1, 1, self.backend.tables, {})
+            rows = checkpoint.load_server(load_dir, 0, 1, 1, self.backend.tables, {})
             dense = checkpoint.load_dense(load_dir)
             if dense:
                 layout.load_dense(dense)
+            _say(f"loaded from {os.path.abspath(load_dir)} ({sum(rows.values())} sparse "
+                 f"row(s), {len(dense)} dense table(s))")
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -168,6 +177,8 @@ class PSRuntime:
         self._load_dir: Optional[str] = None
         self._lrs: dict[int, float] = {}
         self._stepped = False  # a step since the last evaluation forward
+        self._trained = False  # any step at all
+        self._start_chosen = False  # init_server was called: the starting weights are chosen
 
     # -- the fleet's runtime interface -----------------------------------------------------
     def init_worker(self) -> None:
@@ -209,7 +220,12 @@ class PSRuntime:
         if not self.is_server and self.config is not None:
             raise StateError("init_server() runs on servers; this process is a worker")
         self._layout("init_server")
+        if self.config is None and self._session is not None:
+            raise StateError("init_server() after the job started: in a job without servers "
+                             "it loads the local tables, so call it before fleet.init_worker() "
+                             "and before the first forward")
         self._load_dir = dirname
+        self._start_chosen = True
 
     def run_server(self) -> None:
         """Serve until every worker stopped. Raises the error naming a lost worker."""
@@ -245,6 +261,7 @@ class PSRuntime:
                              f"supported")
         if self.index == 0 and not self.is_server:
             self._started("save_persistables").save(dirname)
+            _say(f"saved to {os.path.abspath(dirname)}")
 
     def barrier(self, name: str = "") -> None:
         """Wait for every worker that has not stopped (through server 0)."""
@@ -258,7 +275,7 @@ class PSRuntime:
         session = self._started("step")
         self._sync_lr()
         session.step(self.inner)
-        self._stepped = True
+        self._stepped = self._trained = True
         self.progress.step()
 
     def set_lr(self, lr: float) -> None:
@@ -275,6 +292,8 @@ class PSRuntime:
             self.init_worker()
         session = self._started("forward")
         training = self.model is not None and self.model.training and torch.is_grad_enabled()
+        if not training and self.config is None and not (self._trained or self._start_chosen):
+            raise StateError(_UNLOADED)
         if not training and self._stepped and hasattr(session, "refresh"):
             session.refresh()
             self._stepped = False
@@ -345,6 +364,21 @@ class PSOptimizer(OptimizerWrapper):
     def add_param_group(self, param_group: dict) -> None:
         raise StateError("parameter-server tables are laid out when the optimizer is wrapped; "
                          "add every param group before fleet.distributed_optimizer")
+
+
+_UNLOADED = (
+    "evaluating a model that was neither trained nor loaded: this process runs alone (no "
+    "parameter servers: TRAINING_ROLE is not set, as under plain python), so an "
+    "init_server(dirname) in the server branch never ran and these are the initial weights. "
+    "To evaluate a checkpoint in one process, call fleet.init_server(dirname) before "
+    "fleet.init_worker() when fleet.server_num() == 0 (it loads the checkpoint into this "
+    "process); to score the initial weights on purpose, call fleet.init_server() first; or "
+    "start the job with fleetrun --server_num N --worker_num M")
+
+
+def _say(message: str) -> None:
+    """A line on this worker's console (worker 0's is fleetrun's)."""
+    print(f"fleetx ps worker 0: {message}", flush=True)
 
 
 def _log_to_stderr() -> None:
