@@ -21,6 +21,7 @@ the process with the same tables and rules.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,28 +56,29 @@ class AsyncConfig(Config):
         16, "Async: steps that may wait to be sent; a full queue makes the next step wait.",
         ge=1)
     independent_recv_thread: bool = option(
-        False, "Paddle: pull parameters in a thread of their own (no effect: every push reply "
-        "carries the dense weights).")
+        False, "Paddle: pull parameters in a thread of their own.",
+        no_effect="every push reply carries the dense weights")
     min_send_grad_num_before_recv: int = option(
-        1, "Paddle: sends between two pulls of the parameters (no effect, as above).", ge=1)
+        1, "Paddle: sends between two pulls of the parameters.", ge=1,
+        no_effect="every push reply carries the dense weights")
     thread_pool_size: int = option(1, "Async: merged pushes in flight at once.", ge=1)
     send_wait_times: int = option(
         1, "Async: polls of 1 ms the sender waits for more queued steps to merge before sending "
         "what it has.", ge=0)
     runtime_split_send_recv: bool = option(
-        False, "Paddle: split parameters across servers at run time (no effect: ids are routed "
-        "per request).")
+        False, "Paddle: split parameters across servers at run time.",
+        no_effect="ids are routed per request")
     launch_barrier: bool = option(
-        True, "Paddle: wait for all servers before training (no effect: workers always wait "
-        "up to FLEETX_TIMEOUT).")
+        True, "Paddle: wait for all servers before training.",
+        no_effect="workers always wait for the servers, up to FLEETX_TIMEOUT")
     heter_worker_device_guard: str = option(
-        "cpu", "Paddle: device of the heterogeneous workers (not offered).",
-        choices=("cpu", "gpu", "xpu"))
+        "cpu", "Paddle: device of the heterogeneous workers.", choices=("cpu", "gpu", "xpu"),
+        no_effect="heterogeneous workers are not offered")
     lr_decay_steps: int = option(
-        10, "Paddle: steps between learning-rate decays on the servers (no effect: use an LR "
-        "scheduler; its rate reaches the servers).", ge=1)
-    use_ps_gpu: int = option(0, "Paddle: keep the sparse tables on GPU workers (not offered).",
-                             choices=(0, 1))
+        10, "Paddle: steps between learning-rate decays on the servers.", ge=1,
+        no_effect="use an LR scheduler; its rate reaches the servers")
+    use_ps_gpu: int = option(0, "Paddle: keep the sparse tables on GPU workers.", choices=(0, 1),
+                             no_effect="GPU parameter servers are not offered")
 
 def ps_config(strategy, world) -> Optional[PSConfig]:
     """The cluster of a parameter-server world, or None when it has no servers.
@@ -111,6 +113,13 @@ def _ps_limits() -> dict:
             "max_rows": env.get_int("FLEETX_PS_MAX_ROWS", 0),
             "nonfinite": env.get("FLEETX_PS_NONFINITE", "refuse"),
             "save_root": env.get("FLEETX_PS_SAVE_ROOT")}
+
+
+def _communicator(cfg: AsyncConfig) -> CommunicatorConfig:
+    """The worker's sending knobs: the ``a_sync_configs`` keys the communicator declares (the
+    others say why they have no effect where they are declared)."""
+    return CommunicatorConfig.from_a_sync_configs(
+        {f.name: getattr(cfg, f.name) for f in dataclasses.fields(CommunicatorConfig)})
 
 
 @register
@@ -148,7 +157,7 @@ class ParameterServerStrategy(Strategy):
         runtime = PSRuntime(
             ctx.model, ctx.optimizer, ps_config(self.strategy, world),
             is_server=world.is_server, index=world.rank,
-            comm=CommunicatorConfig.from_a_sync_configs(self.strategy.a_sync_configs),
+            comm=_communicator(self.strategy.typed_config("a_sync")),
             log_interval=interval)
         ctx.runtime = runtime
         ctx.optimizer = runtime.optimizer

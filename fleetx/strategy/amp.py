@@ -62,7 +62,8 @@ class AmpConfig(Config):
     use_pure_fp16: bool = option(
         False, "Pure float16 training: parameters cast to float16 too (master copies in float32).")
     use_fp16_guard: bool = option(
-        True, "With use_pure_fp16, cast only the ops inside an fp16 guard region.")
+        True, "With use_pure_fp16, cast only the ops inside an fp16 guard region.",
+        no_effect="use_pure_fp16 is refused, so there is no guard region")
 
 
 def _lists(cfg: AmpConfig) -> tuple[tuple[type, ...], tuple[type, ...]]:

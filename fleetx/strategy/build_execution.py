@@ -3,8 +3,9 @@
 Paddle compiles a static graph with a *build strategy* (fusion and memory passes) and runs it
 with an *execution strategy* (executor threads, scope clean-up). PyTorch runs eagerly, so most of
 these options have nothing to act on. The fields that have a meaning are mapped; every other
-field the user changed from its default is accepted and listed in the plan as having no effect,
-so a Paddle script keeps running and says what it lost.
+field declares why it has none (``option(..., no_effect=...)`` in ``build.py``) and, when the
+user changed it from its default, is listed in the plan with that reason, so a Paddle script
+keeps running and says what it lost.
 
 ======================================  ========================================================
 field                                   in fleetx
@@ -12,8 +13,6 @@ field                                   in fleetx
 ``fuse_all_optimizer_ops``              ``foreach=True`` on every parameter group of the
                                         optimizer, when it has that option (multi-tensor
                                         kernels: one launch for all parameters, same results)
-``enable_sequential_execution``         nothing to do: eager PyTorch runs operations in program
-                                        order already
 ``num_threads`` (execution)             ``torch.set_num_threads(n)`` for n > 1 (0, automatic,
                                         and 1, the default, leave PyTorch's setting alone)
 everything else                         no effect (kernel fusion: use ``torch.compile``; memory
@@ -55,7 +54,8 @@ def changed_fields(bag: Any) -> list[str]:
 
 
 class _BagOptions(Strategy):
-    """A strategy for one option bag: maps what it can, lists the rest as no-ops."""
+    """A strategy for one option bag: maps what it can, lists the rest with their declared
+    reason."""
 
     # Last of all: the options apply to the final optimizer, after every strategy that replaces
     # or wraps it (lars, lamb, dgc, parameter server) or installs hooks around its step.
@@ -63,7 +63,8 @@ class _BagOptions(Strategy):
                   DGCStrategy, Fp16AllReduceStrategy, GradientMergeStrategy,
                   HierarchicalAllReduceStrategy, LambStrategy, LarsStrategy, LocalSGDStrategy,
                   ParameterServerStrategy, SyncBatchNormStrategy)
-    # field -> (fn(value, optimizer info) -> what it does, or "" for no effect here)
+    # field -> (fn(value, optimizer info) -> what it does, or "" for no effect here); every field
+    # not here declares no_effect
     mapped: ClassVar[dict[str, Callable[[Any, OptimizerInfo], str]]] = {}
 
     @classmethod
@@ -75,9 +76,12 @@ class _BagOptions(Strategy):
         bag = getattr(plan_input.strategy, self.name)
         done, ignored = [], []
         for name in changed_fields(bag):
-            effect = self.mapped[name](getattr(bag, name), plan_input.optimizer) \
-                if name in self.mapped else ""
-            (done if effect else ignored).append(f"{name} -> {effect}" if effect else name)
+            why = type(bag).no_effect_of(name)
+            effect = "" if why else self.mapped[name](getattr(bag, name), plan_input.optimizer)
+            if effect:
+                done.append(f"{name} -> {effect}")
+            else:
+                ignored.append(f"{name} ({why or 'nothing to act on with this optimizer'})")
         no_op = f"no effect in PyTorch: {', '.join(ignored)}" if ignored else ""
         if not done:
             return Verdict.skip(f"accepted; {no_op}")
@@ -94,10 +98,6 @@ def _foreach(value: bool, opt: OptimizerInfo) -> str:
     return f"foreach=True on {opt.class_name}"
 
 
-def _sequential(value: bool, opt: OptimizerInfo) -> str:
-    return "already so: eager PyTorch runs operations in program order" if value else ""
-
-
 def _threads(value: int, opt: OptimizerInfo) -> str:
     return f"torch.set_num_threads({value})" if value > 1 else ""
 
@@ -111,13 +111,12 @@ class BuildStrategyOptions(_BagOptions):
         >>> from fleetx.strategy.distributed_strategy import DistributedStrategy
         >>> s = DistributedStrategy()
         >>> s.build_strategy = {"fuse_bn_act_ops": True, "enable_inplace": True}
-        >>> BuildStrategyOptions(s).can_apply(PlanInput(s, WorldInfo())).reason
-        'accepted; no effect in PyTorch: fuse_bn_act_ops, enable_inplace'
+        >>> print(BuildStrategyOptions(s).can_apply(PlanInput(s, WorldInfo())).reason)
+        accepted; no effect in PyTorch: fuse_bn_act_ops (kernel fusion: use torch.compile), enable_inplace (memory reuse is PyTorch's own)
     """
 
     name = "build_strategy"
-    mapped = {"fuse_all_optimizer_ops": _foreach,
-              "enable_sequential_execution": _sequential}
+    mapped = {"fuse_all_optimizer_ops": _foreach}
 
     def apply(self, ctx: TrainingContext) -> None:
         opt = ctx.optimizer
@@ -136,8 +135,8 @@ class ExecutionStrategyOptions(_BagOptions):
         >>> from fleetx.strategy.distributed_strategy import DistributedStrategy
         >>> s = DistributedStrategy()
         >>> s.execution_strategy = {"num_threads": 4, "num_iteration_per_drop_scope": 1}
-        >>> ExecutionStrategyOptions(s).can_apply(PlanInput(s, WorldInfo())).reason
-        'num_threads -> torch.set_num_threads(4); no effect in PyTorch: num_iteration_per_drop_scope'
+        >>> print(ExecutionStrategyOptions(s).can_apply(PlanInput(s, WorldInfo())).reason)
+        num_threads -> torch.set_num_threads(4); no effect in PyTorch: num_iteration_per_drop_scope (no static-graph executor)
     """
 
     name = "execution_strategy"

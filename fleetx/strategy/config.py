@@ -2,10 +2,12 @@
 
 Every setting of :class:`~fleetx.strategy.distributed_strategy.DistributedStrategy` (a top-level
 switch, a key of one of the ``*_configs`` dictionaries, a field of ``build_strategy``) is a field
-of a :class:`Config` dataclass declared with :func:`option`: its default, its help text and the
-values it allows. Everything else is generated from those declarations: validation on
-construction and on every assignment, the dictionary form, the printed overview, the prototxt
-writer and the field reference in ``docs/strategy.md``.
+of a :class:`Config` dataclass declared with :func:`option`: its default, its help text, the
+values it allows and, for a setting fleetx accepts but does not act on, why it has no effect
+(``no_effect="reason"`` on the field, or ``no_effect`` on the whole config class). Everything
+else is generated from those declarations: validation on construction and on every assignment,
+the dictionary form, the printed overview, the prototxt writer, the plan's warning about
+settings without effect and the field reference in ``docs/distributed_strategy.md``.
 
 The rules are strict on purpose. A bool is not a number here (``True`` for an int field is a
 mistake, not ``1``) and an int is not a bool; an int is accepted for a float field and stored as a
@@ -16,6 +18,7 @@ Python float. Errors are raised at once and name the setting and what it accepts
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import numbers
@@ -23,10 +26,10 @@ import sys
 import typing
 import warnings
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping, Optional, TypeVar
+from typing import Any, ClassVar, Iterable, Iterator, Mapping, Optional, TypeVar
 
 __all__ = ["Config", "FieldSpec", "Constraint", "option", "unknown_name", "markdown_table",
-           "warn_old_name"]
+           "warn_old_name", "recording_reads"]
 
 _C = TypeVar("_C", bound="Config")
 _SCALARS = (bool, int, float, str)
@@ -111,6 +114,7 @@ class FieldSpec:
     help: str
     rule: Constraint
     enum: Optional[Mapping[str, int]] = None
+    no_effect: Optional[str] = None  # why fleetx does not act on it; None: it has an effect
 
     @property
     def type_name(self) -> str:
@@ -152,11 +156,15 @@ class FieldSpec:
 
 def option(default: Any, help: str, *, ge: Optional[float] = None, gt: Optional[float] = None,
            le: Optional[float] = None, lt: Optional[float] = None, choices: Iterable = (),
-           also: Iterable = (), enum: Optional[Mapping[str, int]] = None) -> Any:
+           also: Iterable = (), enum: Optional[Mapping[str, int]] = None,
+           no_effect: Optional[str] = None) -> Any:
     """Declare a :class:`Config` field: default, help text and allowed values.
 
     A list default is copied for every instance. For a list field the rule applies to each
     element. ``enum`` makes a string field an enumeration (its names are the choices).
+    ``no_effect`` says why fleetx accepts the setting without acting on it: the plan names it
+    when it differs from its default, and the generated reference marks it. When the setting
+    gains an effect, this is the one place that changes.
 
     Example:
         >>> @dataclass
@@ -168,7 +176,7 @@ def option(default: Any, help: str, *, ge: Optional[float] = None, gt: Optional[
         ValueError: demo_configs['k_steps'] must be >= 1, got 0
     """
     choices = tuple(enum) if enum else tuple(choices)
-    metadata = {"help": help, "enum": dict(enum) if enum else None,
+    metadata = {"help": help, "enum": dict(enum) if enum else None, "no_effect": no_effect,
                 "rule": Constraint(ge, gt, le, lt, choices, tuple(also))}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
@@ -186,12 +194,15 @@ class Config:
             names the field in error messages (``amp_configs['decr_ratio']``).
         aliases: older key names accepted for a field (``{"micro_batch": "accumulate_steps"}``);
             using one warns with a ``DeprecationWarning``.
+        no_effect: why no key of this config has an effect in fleetx (None: each key says for
+            itself with ``option(..., no_effect=...)``).
 
     Every assignment, including those made by the generated ``__init__``, is checked.
     """
 
     section: ClassVar[str] = ""
     aliases: ClassVar[Mapping[str, str]] = {}
+    no_effect: ClassVar[Optional[str]] = None
 
     # -- the declared fields --------------------------------------------------------------------
     @classmethod
@@ -203,6 +214,18 @@ class Config:
             specs = {f.name: _spec_of(f, hints[f.name]) for f in dataclasses.fields(cls)}
             _SPECS[cls] = specs
         return specs
+
+    @classmethod
+    def no_effect_of(cls, key: str) -> Optional[str]:
+        """Why field ``key`` has no effect in fleetx (its own reason, else its config's), or None
+        when it has one."""
+        return cls.specs()[key].no_effect or cls.no_effect
+
+    @classmethod
+    def key_name(cls, key: str) -> str:
+        """The setting's name in plans and in ``is_set``: ``amp_configs.decr_ratio``, or the bare
+        name for a top-level field."""
+        return f"{cls.section}.{key}" if cls.section else key
 
     @classmethod
     def label(cls, key: str) -> str:
@@ -234,6 +257,14 @@ class Config:
         return cls.specs()[key].coerce(value, cls.label(key))
 
     # -- instances ------------------------------------------------------------------------------
+    def __getattribute__(self, name: str) -> Any:
+        value = object.__getattribute__(self, name)
+        if _reads is not None and not _quiet:
+            cls = type(self)
+            if name in cls.specs():
+                _reads.add(cls.key_name(name))
+        return value
+
     def __setattr__(self, name: str, value: Any) -> None:
         specs = type(self).specs()
         if name not in specs:
@@ -273,10 +304,50 @@ class Config:
         Raises:
             TypeError / ValueError: as :meth:`resolve` and :meth:`FieldSpec.coerce`.
         """
-        return dataclasses.replace(self, **self.resolve(updates))
+        with _unrecorded():
+            return dataclasses.replace(self, **self.resolve(updates))
 
     def copy(self: _C) -> _C:
-        return dataclasses.replace(self)
+        with _unrecorded():
+            return dataclasses.replace(self)
+
+
+# Which settings were read, for the check that every setting has a reader or says it has none.
+_reads: Optional[set] = None
+_quiet = False
+
+
+@contextlib.contextmanager
+def recording_reads() -> Iterator[set]:
+    """Collect the names (``Config.key_name``) of the config fields read while the block runs.
+
+    Copying a config does not count as reading it. One recorder at a time, for the whole
+    process (a test tool: production code never opens one).
+
+    Example:
+        >>> from fleetx.strategy.amp import AmpConfig
+        >>> cfg = AmpConfig()
+        >>> with recording_reads() as reads:
+        ...     _ = cfg.copy().decr_ratio
+        >>> sorted(reads)
+        ['amp_configs.decr_ratio']
+    """
+    global _reads
+    outer, _reads = _reads, set()
+    try:
+        yield _reads
+    finally:
+        _reads = outer
+
+
+@contextlib.contextmanager
+def _unrecorded() -> Iterator[None]:
+    global _quiet
+    outer, _quiet = _quiet, True
+    try:
+        yield
+    finally:
+        _quiet = outer
 
 
 def _is_numpy_bool(value: Any) -> bool:
@@ -292,18 +363,25 @@ def _spec_of(f: dataclasses.Field, hint: Any) -> FieldSpec:
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
     meta = f.metadata
     return FieldSpec(f.name, base, is_list, default, meta.get("help", ""),
-                     meta.get("rule", Constraint()), meta.get("enum"))
+                     meta.get("rule", Constraint()), meta.get("enum"), meta.get("no_effect"))
 
 
 def markdown_table(cls: type[Config], title: str = "key") -> str:
-    """A Markdown table of ``cls``'s fields: name, type, default, allowed values, help text."""
+    """A Markdown table of ``cls``'s fields: name, type, default, allowed values, help text.
+
+    A field without effect in fleetx says so first in its meaning (**no effect**: why), unless
+    its whole config has none (the caller says that once, above the table).
+    """
     rows = [f"| {title} | type | default | allowed | meaning |", "|---|---|---|---|---|"]
     for spec in cls.specs().values():
         allowed = spec.rule.describe()  # empty: any value of the type
         if spec.is_list and allowed:
             allowed = f"each {allowed}"
+        meaning = spec.help
+        if spec.no_effect:
+            meaning = f"**no effect**: {spec.no_effect}. {meaning}"
         rows.append(f"| `{spec.name}` | {spec.type_name} | `{spec.default!r}` | {allowed} "
-                    f"| {spec.help} |")
+                    f"| {meaning} |")
     for old, new in cls.aliases.items():
         rows.append(f"| `{old}` | alias | | | old name of `{new}` |")
     return "\n".join(rows) + "\n"

@@ -61,22 +61,27 @@ PathLike = Union[str, "os.PathLike[str]"]
 class TopLevelConfig(Config):
     """The scalar fields of :class:`DistributedStrategy`, in protobuf field-number order (1-35)."""
 
-    mode: str = option("COLLECTIVE", "Job architecture as recorded in saved strategies; "
-                       "fleetx takes the mode from fleet.init.",
-                       enum={"COLLECTIVE": 1, "PS": 2, "PIPELINE": 3, "HETER": 4})
+    mode: str = option("COLLECTIVE", "Job architecture as recorded in saved strategies.",
+                       enum={"COLLECTIVE": 1, "PS": 2, "PIPELINE": 3, "HETER": 4},
+                       no_effect="fleetx takes the mode from fleet.init(is_collective=...)")
     amp: bool = option(False, "Automatic mixed precision (amp_configs).")
-    recompute: bool = option(False, "Recompute / activation checkpointing (recompute_configs).")
+    recompute: bool = option(False, "Recompute / activation checkpointing (recompute_configs).",
+                             no_effect=RecomputeConfig.no_effect)
     localsgd: bool = option(False, "Local SGD (localsgd_configs).")
     dgc: bool = option(False, "Deep gradient compression (dgc_configs).")
     gradient_merge: bool = option(False, "Gradient accumulation (gradient_merge_configs).")
     lars: bool = option(False, "LARS optimizer (lars_configs).")
     lamb: bool = option(False, "LAMB optimizer (lamb_configs).")
-    pipeline: bool = option(False, "Pipeline parallelism (pipeline_configs).")
-    elastic: bool = option(False, "Elastic training (accepted; no effect, as in Paddle 2.2).")
-    auto: bool = option(False, "Let fleetx choose strategies when no other switch is set.")
+    pipeline: bool = option(False, "Pipeline parallelism (pipeline_configs).",
+                            no_effect=PipelineConfig.no_effect)
+    elastic: bool = option(False, "Elastic training (Paddle 2.2 does not act on it either).",
+                           no_effect="elastic jobs come from fleetrun --nnodes MIN:MAX")
+    auto: bool = option(False, "Paddle: let Fleet choose strategies when no other switch is set.",
+                        no_effect="fleetx has no automatic strategy search")
     a_sync: bool = option(True, "Parameter server: async (True) or sync (False); assigning it "
                           "resets a_sync_configs['k_steps'] to 0 (a_sync_configs).")
-    sync_nccl_allreduce: bool = option(True, "Wait for each all-reduce before computing on.")
+    sync_nccl_allreduce: bool = option(True, "Wait for each all-reduce before computing on.",
+                                       no_effect="DDP always synchronises its gradient buckets")
     nccl_comm_num: int = option(1, "Communicators (streams) used for gradient all-reduce.", ge=1)
     use_hierarchical_allreduce: bool = option(
         False, "All-reduce inside each node first, then across nodes.")
@@ -86,28 +91,42 @@ class TopLevelConfig(Config):
     fuse_all_reduce_ops: bool = option(True, "Fuse gradient all-reduces into buckets.")
     fuse_grad_size_in_MB: int = option(32, "Bucket size in MB of fused all-reduce.", gt=0)
     fuse_grad_size_in_TFLOPS: float = option(
-        50.0, "Layers per fused all-reduce (Paddle attribute _fuse_grad_size_in_TFLOPS).", gt=0)
-    cudnn_exhaustive_search: bool = option(False, "Benchmark convolution algorithms.")
-    conv_workspace_size_limit: int = option(512, "cuDNN workspace limit in MB.", gt=0)
+        50.0, "Layers per fused all-reduce (Paddle attribute _fuse_grad_size_in_TFLOPS).", gt=0,
+        no_effect="buckets are sized in MB (fuse_grad_size_in_MB)")
+    cudnn_exhaustive_search: bool = option(
+        False, "Benchmark convolution algorithms.",
+        no_effect="set torch.backends.cudnn.benchmark in the script")
+    conv_workspace_size_limit: int = option(512, "cuDNN workspace limit in MB.", gt=0,
+                                            no_effect="no cuDNN workspace knob in PyTorch")
     cudnn_batchnorm_spatial_persistent: bool = option(
-        False, "Use cuDNN's persistent spatial batch-norm mode.")
+        False, "Use cuDNN's persistent spatial batch-norm mode.",
+        no_effect="no such cuDNN switch in PyTorch")
     adaptive_localsgd: bool = option(False, "Adaptive local SGD (adaptive_localsgd_configs).")
     fp16_allreduce: bool = option(False, "Cast gradients to float16 for all-reduce.")
-    sharding: bool = option(False, "ZeRO-style sharding (sharding_configs).")
+    sharding: bool = option(False, "ZeRO-style sharding (sharding_configs).",
+                            no_effect=ShardingConfig.no_effect)
     last_comm_group_size_MB: float = option(
-        1.0, "Size in MB of the last gradient bucket (filled first in backward).", gt=0)
+        1.0, "Size in MB of the last gradient bucket (filled first in backward).", gt=0,
+        no_effect="DDP sizes its first bucket itself")
     find_unused_parameters: bool = option(
         False, "Data parallel: look for parameters that got no gradient.")
-    tensor_parallel: bool = option(False, "Tensor parallelism (tensor_parallel_configs).")
+    tensor_parallel: bool = option(False, "Tensor parallelism (tensor_parallel_configs).",
+                                   no_effect=TensorParallelConfig.no_effect)
     without_graph_optimization: bool = option(
-        False, "Insert all-reduces directly instead of through the graph executor.")
+        False, "Insert all-reduces directly instead of through the graph executor.",
+        no_effect="no static graph")
     fuse_grad_size_in_num: int = option(
-        8, "Gradients per fused all-reduce without graph optimization.", ge=1)
+        8, "Gradients per fused all-reduce without graph optimization.", ge=1,
+        no_effect="buckets are sized in MB (fuse_grad_size_in_MB)")
     calc_comm_same_stream: bool = option(
-        False, "Compute and communicate on one stream (Paddle attribute _calc_comm_same_stream).")
-    asp: bool = option(False, "2:4 structured sparsity.")
-    fuse_grad_merge: bool = option(False, "Fuse the gradient-merge buffers.")
-    semi_auto: bool = option(False, "Semi-automatic parallelism (experimental).")
+        False, "Compute and communicate on one stream (Paddle attribute _calc_comm_same_stream).",
+        no_effect="DDP chooses its streams")
+    asp: bool = option(False, "2:4 structured sparsity.", no_effect="not implemented")
+    fuse_grad_merge: bool = option(
+        False, "Fuse the gradient-merge buffers.",
+        no_effect="gradient merge accumulates in the parameters' .grad")
+    semi_auto: bool = option(False, "Semi-automatic parallelism (experimental).",
+                             no_effect="no auto-parallel planner")
 
 
 # The message fields in protobuf field-number order: *_configs 101-114, build_strategy 201,
@@ -130,7 +149,8 @@ _STATE = ("_flags", "_msgs", "_set")
 class DistributedStrategy:
     """All distributed-training settings: switches, ``*_configs`` dicts, communication flags.
 
-    Every field of Paddle 2.2's strategy exists with its default (see ``docs/strategy.md``).
+    Every field of Paddle 2.2's strategy exists with its default (see
+    ``docs/distributed_strategy.md``).
     Assignments are validated at once:
 
     Raises:
@@ -461,8 +481,16 @@ def _overview(s: DistributedStrategy) -> str:
 
 
 def markdown_reference() -> str:
-    """The field reference of ``docs/strategy.md``, generated from the declarations."""
+    """The field reference of ``docs/distributed_strategy.md``, generated from the declarations.
+
+    Settings declared without effect are marked (**no effect**, and why); a config with no
+    effect at all says so once, above its table.
+    """
     parts = ["### Top-level fields\n\n", markdown_table(TopLevelConfig, "field")]
     for name, cls in MESSAGES.items():
-        parts += [f"\n### `{name}` ({cls.__name__}, `{cls.__module__}`)\n\n", markdown_table(cls)]
+        parts.append(f"\n### `{name}` ({cls.__name__}, `{cls.__module__}`)\n\n")
+        if cls.no_effect:
+            parts.append(f"**No effect in fleetx** ({cls.no_effect}): every key is accepted and "
+                         f"checked, and named in the plan when changed.\n\n")
+        parts.append(markdown_table(cls))
     return "".join(parts)

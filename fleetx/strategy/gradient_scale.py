@@ -1,8 +1,9 @@
 """Gradient scaling across data-parallel workers (``strategy.gradient_scale_configs``).
 
-Each worker's loss gradient is scaled before the gradients are summed across workers: by
-``1/world_size`` (``avg``, the mean gradient), not at all (``sum``), or left to the user's own
-scaling (``customized``). There is no on/off switch; ``avg`` is the default.
+In Paddle each worker's loss gradient is scaled before the gradients are summed across workers:
+by ``1/world_size`` (``avg``, the mean gradient), not at all (``sum``), or left to the user's own
+scaling (``customized``). fleetx always averages (``avg``, the default); the other values are
+accepted without effect and named in the plan.
 """
 from dataclasses import dataclass
 
@@ -23,4 +24,5 @@ class GradientScaleConfig(Config):
     section = "gradient_scale_configs"
 
     scale_strategy: str = option("avg", "Loss-gradient scaling across workers.",
-                                 choices=("avg", "sum", "customized"))
+                                 choices=("avg", "sum", "customized"),
+                                 no_effect="gradients are always averaged over workers")

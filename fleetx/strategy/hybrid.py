@@ -1,9 +1,13 @@
-"""Hybrid parallelism (``strategy.hybrid_configs``).
+"""Hybrid parallelism (``strategy.hybrid_configs``): a config only.
 
-The world is arranged as a grid of data-parallel x tensor(model)-parallel x pipeline x sharding
-ranks; each degree gives one dimension of the grid, and their product must equal the number of
-processes. ``dp_degree=-1`` means "what is left": world size divided by the other degrees. There
-is no on/off switch: the degrees themselves say what runs.
+**No effect yet.** ``hybrid_configs`` is accepted and checked, so Paddle scripts and saved
+strategies load, but nothing in fleetx acts on it: every process is a data-parallel rank, and
+the plan names the keys when they are set. ``HybridConfig.no_effect`` is the one declaration to
+change when hybrid parallelism is implemented.
+
+What the settings mean in Paddle: the world is a grid of data x tensor(model) x pipeline x
+sharding ranks whose degrees multiply to the number of processes (``dp_degree=-1``: what is
+left). There is no on/off switch: in Paddle 2.2's dynamic graph the degrees alone turn it on.
 """
 from dataclasses import dataclass
 
@@ -22,6 +26,7 @@ class HybridConfig(Config):
     """
 
     section = "hybrid_configs"
+    no_effect = "hybrid parallelism is not implemented yet"
 
     dp_degree: int = option(-1, "Data parallel degree; -1 infers it from the world size.",
                             ge=1, also=(-1,))

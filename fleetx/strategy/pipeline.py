@@ -1,10 +1,13 @@
-"""Pipeline parallelism (``strategy.pipeline``).
+"""Pipeline parallelism (``strategy.pipeline``): a config only.
 
-Consecutive layers of the model live on different devices (stages). Each mini-batch is split
-into ``accumulate_steps`` micro-batches of ``micro_batch_size`` samples that flow through the
-stages one after another, so that stages work at the same time on different micro-batches. The
-schedule decides the order: all forwards then all backwards (``F-then-B``), or one forward, one
-backward in a steady state (``1F1B``), which holds fewer activations.
+**No effect yet.** ``strategy.pipeline`` and ``pipeline_configs`` are accepted and checked, so
+Paddle scripts and saved strategies load, but nothing in fleetx acts on them: the whole model
+runs on every rank, and the plan names the switch and the keys when they are set.
+``PipelineConfig.no_effect`` is the one declaration to change when pipelines are implemented.
+
+What the settings mean in Paddle: layers are split into stages on different devices and each
+mini-batch into ``accumulate_steps`` micro-batches of ``micro_batch_size`` samples, scheduled
+``F-then-B`` or ``1F1B``.
 """
 from dataclasses import dataclass
 
@@ -26,6 +29,7 @@ class PipelineConfig(Config):
     """
 
     section = "pipeline_configs"
+    no_effect = "pipeline parallelism is not implemented yet"
     aliases = {"micro_batch": "accumulate_steps"}
 
     micro_batch_size: int = option(1, "Samples per micro-batch.", ge=1)

@@ -1,11 +1,13 @@
-"""Recompute, also called activation checkpointing (``strategy.recompute``).
+"""Recompute, also called activation checkpointing (``strategy.recompute``): a config only.
 
-The network is cut at the named *checkpoints*. The forward pass keeps only the checkpoint
-tensors and drops the activations between them; the backward pass recomputes each segment from
-its checkpoint just before it needs it. Memory for activations falls from the whole network to
-one segment plus the checkpoints, at the price of a second forward per segment. With offload the
-checkpoints themselves also move to host memory and come back before backward, which needs them
-all to share one fully known shape.
+**No effect yet.** ``strategy.recompute`` and ``recompute_configs`` are accepted and checked, so
+Paddle scripts and saved strategies load, but nothing in fleetx acts on them: activations are
+kept as in plain PyTorch, and the plan names the switch and the keys when they are set.
+``RecomputeConfig.no_effect`` is the one declaration to change when recompute is implemented.
+
+What the settings mean in Paddle: the network is cut at the named *checkpoints*; the forward
+keeps only the checkpoint tensors and the backward recomputes each segment from its checkpoint;
+with offload the checkpoints also move to host memory, which needs them to share one shape.
 """
 from dataclasses import dataclass
 
@@ -24,6 +26,7 @@ class RecomputeConfig(Config):
     """
 
     section = "recompute_configs"
+    no_effect = "recompute is not implemented yet"
 
     checkpoints: list[str] = option(
         [], "Names of the checkpoints (the segment boundaries); empty disables recompute.")

@@ -1,11 +1,14 @@
-"""Sharding, ZeRO-style partitioning of training state (``strategy.sharding``).
+"""Sharding, ZeRO-style partitioning of training state (``strategy.sharding``): a config only.
 
-The optimizer state, the gradients and (optionally) the parameters are split across the
-``sharding_degree`` ranks of a sharding group instead of being replicated, so this memory shrinks
-with the group size; parameters are broadcast from their owner when needed and gradients reduced
-to it. Broadcasts are fused into segments, cut either every ``segment_broadcast_MB`` megabytes or
-at the named ``segment_anchors``. Sharding composes with data parallelism (``dp_degree``,
-``hybrid_dp``), tensor parallelism (``mp_degree``) and pipelining (``pp_degree``).
+**No effect yet.** ``strategy.sharding`` and ``sharding_configs`` are accepted and checked, so
+Paddle scripts and saved strategies load, but nothing in fleetx acts on them: every rank keeps
+the whole optimizer state, and the plan names the switch and the keys when they are set.
+``ShardingConfig.no_effect`` is the one declaration to change when sharding is implemented.
+
+What the settings mean in Paddle: optimizer state, gradients and optionally parameters are split
+over the ``sharding_degree`` ranks of a group; broadcasts are fused into segments cut every
+``segment_broadcast_MB`` or at ``segment_anchors``; the other degrees combine it with data,
+tensor and pipeline parallelism.
 """
 from dataclasses import dataclass
 
@@ -27,6 +30,7 @@ class ShardingConfig(Config):
     """
 
     section = "sharding_configs"
+    no_effect = "sharding is not implemented yet"
     aliases = {"fuse_broadcast_MB": "segment_broadcast_MB",
                "sharding_group_size": "sharding_degree"}
 

@@ -1,8 +1,8 @@
 """Trainer dumps and statistics (``strategy.trainer_desc_configs``).
 
-Parameter-server training over a dataset can dump the values of chosen tensors and parameters
-to files while it runs, for debugging and offline analysis, and gather named statistics across
-workers. There is no on/off switch: dumping happens when fields or parameters are named.
+In Paddle, parameter-server training over a dataset can dump the values of chosen tensors and
+parameters to files while it runs and gather named statistics across workers. fleetx accepts and
+checks these keys but does not act on them (declared ``no_effect``; the plan names them).
 """
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ class TrainerDescConfig(Config):
     """
 
     section = "trainer_desc_configs"
+    no_effect = "no trainer descriptor: nothing is dumped"
 
     dump_fields_path: str = option("", "Directory the dumps are written to.")
     dump_fields: list[str] = option([], "Tensors whose values are dumped per sample.")

@@ -150,7 +150,8 @@ def test_fuse_all_optimizer_ops_maps_to_foreach():
     v = BuildStrategyOptions(s).can_apply(PlanInput(s, WorldInfo(),
                                                     optimizer=OptimizerInfo.of(opt)))
     assert v.apply and v.reason == ("fuse_all_optimizer_ops -> foreach=True on SGD; no effect "
-                                    "in PyTorch: fuse_bn_act_ops")
+                                    "in PyTorch: fuse_bn_act_ops (kernel fusion: use "
+                                    "torch.compile)")
     ctx = TrainingContext(WorldInfo(), s, opt, model)
     BuildStrategyOptions(s).apply(ctx)
     assert all(g["foreach"] is True for g in opt.param_groups)
@@ -160,13 +161,15 @@ def test_fuse_all_optimizer_ops_without_foreach_is_a_no_op():
     s = strategy(build_strategy={"fuse_all_optimizer_ops": True})
     v = BuildStrategyOptions(s).can_apply(
         PlanInput(s, WorldInfo(), optimizer=OptimizerInfo("Mine", (("lr", 0.1),))))
-    assert not v.apply and v.reason == "accepted; no effect in PyTorch: fuse_all_optimizer_ops"
+    assert not v.apply and v.reason == ("accepted; no effect in PyTorch: fuse_all_optimizer_ops "
+                                        "(nothing to act on with this optimizer)")
 
 
 def test_sequential_execution_is_already_so():
     s = strategy(build_strategy={"enable_sequential_execution": True})
     v = BuildStrategyOptions(s).can_apply(PlanInput(s, WorldInfo()))
-    assert v.apply and "eager PyTorch runs operations in program order" in v.reason
+    assert not v.apply and ("enable_sequential_execution (eager PyTorch already runs operations "
+                            "in program order)") in v.reason
 
 
 def test_num_threads_sets_torch_threads():
@@ -175,7 +178,7 @@ def test_num_threads_sets_torch_threads():
         s = strategy(execution_strategy={"num_threads": 3, "use_thread_barrier": True})
         v = ExecutionStrategyOptions(s).can_apply(PlanInput(s, WorldInfo()))
         assert v.reason == ("num_threads -> torch.set_num_threads(3); no effect in PyTorch: "
-                            "use_thread_barrier")
+                            "use_thread_barrier (no static-graph executor)")
         ExecutionStrategyOptions(s).apply(TrainingContext(WorldInfo(), s))
         assert torch.get_num_threads() == 3
     finally:

@@ -161,12 +161,12 @@ def test_plan_for_extracts_model_and_optimizer_facts():
 def test_switches_without_effect_are_named_in_the_plan():
     s = strategy(asp=True, fuse_grad_size_in_num=16)
     plan = make_plan(PlanInput(s, WorldInfo(world_size=2)))
-    entry = next(e for e in plan.entries if e.name == "inert_switches")
+    entry = next(e for e in plan.entries if e.name == "no_effect")
     assert entry.warn and not entry.applied
-    assert "asp (not available)" in entry.reason
+    assert "asp (not implemented)" in entry.reason
     assert "fuse_grad_size_in_num (buckets are sized in MB" in entry.reason
     quiet = make_plan(PlanInput(strategy(), WorldInfo(world_size=2)))
-    assert not [e for e in quiet.entries if e.name == "inert_switches" and e.warn]
+    assert not [e for e in quiet.entries if e.name == "no_effect" and e.warn]
 
 
 def test_a_strategy_without_a_switch_is_refused():
