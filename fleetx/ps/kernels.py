@@ -19,7 +19,10 @@ try:  # built by ``pip install -e .`` (setup.py); optional
     _C_MISSING = ""
 except ImportError as e:  # pragma: no cover - depends on the build
     _c = None
-    _C_MISSING = str(e)
+    # Absent: Python reports "cannot import name '_kernels'"; present but broken: anything else.
+    _C_MISSING = ("fleetx/ps/_kernels.c was not compiled when fleetx was installed"
+                  if "cannot import name '_kernels'" in str(e) or isinstance(e, ModuleNotFoundError)
+                  else f"the built extension does not load: {e}")
 
 __all__ = ["backend", "set_backend", "describe", "log_backend", "mix64", "INDEX_SALT",
            "index_find", "index_insert", "gather", "segment_sum", "apply_sgd", "apply_adagrad",
