@@ -161,8 +161,10 @@ def _print_exception(exc: BaseException, script: Optional[str]) -> None:
         while tb is not None and tb.tb_frame.f_code.co_filename != script:
             tb = tb.tb_next
     else:
-        ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+        # runpy's frames are named "<frozen runpy>" on interpreters that freeze it
+        ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+        while tb is not None and (tb.tb_frame.f_code.co_filename in ours or os.path.abspath(
+                tb.tb_frame.f_code.co_filename) in ours):
             tb = tb.tb_next
         tb = tb or exc.__traceback__
     if tb is not None:

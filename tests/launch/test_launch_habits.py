@@ -31,7 +31,8 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "launch.md"
 
 _HELLO = textwrap.dedent("""\
     import os, sys
-    who = os.environ.get("TRAINING_ROLE", "TRAINER") + " " + os.environ.get("PADDLE_TRAINER_ID", "-")
+    role = os.environ.get("TRAINING_ROLE", "TRAINER")
+    who = role + " " + os.environ.get("PADDLE_TRAINER_ID", "-")
     print(f"hello from {who} name={__name__} argv={sys.argv[1:]}", flush=True)
     print(f"to stderr from {who}", file=sys.stderr, flush=True)
     code = int(os.environ.get("PADDLE_TRAINER_ID", "0") == os.environ.get("FAIL_RANK"))
@@ -128,7 +129,8 @@ def test_shown_ranks_of_a_node_are_its_own():
                           tee=True)
     assert plan(config, **probes).shown_here() == [2, 3]
     p = ps.plan(LaunchConfig(training_script="t.py", server_num=1, worker_num=3, log_ranks="2"),
-                is_local=lambda a: True, free_ports=lambda n, it=iter([[7000], [7001, 7002, 7003]]): next(it))
+                is_local=lambda a: True,
+                free_ports=lambda n, it=iter([[7000], [7001, 7002, 7003]]): next(it))
     assert [(q.role, q.index) for q in p.shown_here()] == [("worker", 2)]
 
 
@@ -277,3 +279,18 @@ def test_a_parameter_server_job_shows_chosen_workers_and_runs_a_module(tmp_path)
         assert f"[worker {i}] hello from TRAINER {i} name=__main__ argv=['--y']" in lines
     assert not any("hello from PSERVER" in line for line in lines)  # servers: only their logs
     assert "hello from PSERVER -" in (cwd / "log" / "serverlog.0").read_text()
+
+
+def test_a_failing_module_shows_its_own_traceback_without_the_runner(tmp_path):
+    import subprocess
+
+    (tmp_path / "badpkg").mkdir()
+    (tmp_path / "badpkg" / "__init__.py").write_text("")
+    (tmp_path / "badpkg" / "boom.py").write_text(
+        "def go():\n    raise ValueError('boom')\n\ngo()\n")
+    res = subprocess.run([sys.executable, "-m", "fleetx.run", "-m", "badpkg.boom"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    frames = re.findall(r'File "([^"]+)", line \d+', res.stderr)
+    assert frames and all(f.endswith("boom.py") for f in frames), res.stderr
+    assert res.stderr.strip().splitlines()[-1] == "ValueError: boom"
