@@ -12,7 +12,7 @@ need_apt=()
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 # The parameter server's C kernels (fleetx/ps/_kernels.c, built by `pip install -e .`) need a C
 # compiler and the headers of the Python that runs fleetx; without them the build is skipped and
-# the servers run the numpy fallback, about 8x slower.
+# the servers run the numpy fallback, 2.5-8x slower.
 command -v "${CC:-cc}" >/dev/null 2>&1 || need_apt+=(gcc)
 PY_INCLUDE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 if [ ! -f "$PY_INCLUDE/Python.h" ]; then

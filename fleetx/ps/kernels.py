@@ -28,8 +28,9 @@ __all__ = ["backend", "set_backend", "describe", "log_backend", "mix64", "INDEX_
            "index_find", "index_insert", "gather", "segment_sum", "apply_sgd", "apply_adagrad",
            "apply_adam", "apply_sum", "unique_inverse"]
 
-# Measured with benchmarks/ps_table.py (pull + push of one Adam table, docs/parameter_server.md).
-SLOWDOWN = "about 8x slower"
+# Measured with benchmarks/ps_table.py on one 10^6-row table: pulls ~8x, Adam pushes ~2.5-4x
+# (docs/parameter_server.md §10).
+SLOWDOWN = "2.5-8x slower"
 FIX = ("install a C compiler and the Python headers (`bash scripts/setup.sh` does, or "
        "`apt-get install gcc python3-dev`) and reinstall fleetx (`pip install -e .`)")
 
