@@ -28,10 +28,11 @@ import copy
 import json
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
 
-from fleetx.strategy import prototxt
+from fleetx.strategy import file_formats, prototxt
 from fleetx.strategy.a_sync import AsyncConfig
 from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDConfig
 from fleetx.strategy.amp import AmpConfig
@@ -321,9 +322,14 @@ class DistributedStrategy:
             f.write("\n")
 
     def load_from_json(self, path: PathLike) -> None:
-        """Merge the fields of a JSON file into this strategy (lists replace)."""
-        with open(path, encoding="utf-8") as f:
-            self._restore(json.load(f))
+        """Merge the fields of a JSON file into this strategy (lists replace), all or nothing.
+
+        Raises:
+            ValueError: malformed JSON (``file:line:col:``), an unknown config key or a value out
+                of range (``file:line:``, with the valid choices).
+            TypeError: an unknown field or a value of the wrong type (``file:line:``).
+        """
+        self._load_file(path, "json")
 
     def save_to_yaml(self, path: PathLike) -> None:
         """Write :meth:`to_dict` as YAML (needs pyyaml)."""
@@ -332,10 +338,28 @@ class DistributedStrategy:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False)
 
     def load_from_yaml(self, path: PathLike) -> None:
-        """Merge the fields of a YAML file into this strategy (needs pyyaml)."""
-        yaml = _yaml()
+        """Merge the fields of a YAML file into this strategy (needs pyyaml), all or nothing.
+
+        Raises:
+            ValueError / TypeError: as :meth:`load_from_json` (``file:line:`` first).
+        """
+        self._load_file(path, "yaml")
+
+    def _load_file(self, path: PathLike, kind: str) -> None:
+        source = os.fspath(path)
         with open(path, encoding="utf-8") as f:
-            self._restore(yaml.safe_load(f) or {})
+            data, locate = file_formats.read_mapping(f.read(), source, kind)
+        if data is None and kind == "yaml":
+            data = {}  # an empty YAML file
+        if not isinstance(data, Mapping):
+            raise TypeError(f"{source}: a strategy file holds a mapping of fields, "
+                            f"got {type(data).__name__}")
+        try:
+            self._restore(data)
+        except (TypeError, ValueError) as e:
+            failing = _failing_path(data)
+            line = locate(failing) if failing else None
+            raise type(e)(f"{source}:{line}: {e}" if line else f"{source}: {e}") from None
 
     # -- prototxt -------------------------------------------------------------------------------
     def save_to_prototxt(self, output: PathLike) -> None:
@@ -378,6 +402,30 @@ class DistributedStrategy:
         for name in skipped:
             _log.warning("%s: skipped unknown strategy field %s", source, name)
         return skipped
+
+
+def _failing_path(data: Mapping[str, Any]) -> Union[tuple[str, ...], None]:
+    """The first field (or ``(config, key)``) of ``data`` that assignment refuses, to say where
+    it stands in its file; None when no single entry is at fault."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # old names warn on the real load
+        for name, value in data.items():
+            try:
+                field = DistributedStrategy._resolve(name)
+                if field not in MESSAGES:
+                    TopLevelConfig.check(field, value)
+                    continue
+                if not isinstance(value, Mapping):
+                    return (name,)
+            except (TypeError, ValueError):
+                return (name,)
+            cls = MESSAGES[field]
+            for key, item in value.items():
+                try:
+                    cls.check(cls.canonical(key), item)
+                except (TypeError, ValueError):
+                    return (name, key)
+    return None
 
 
 def _yaml() -> Any:
