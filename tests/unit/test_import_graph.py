@@ -218,3 +218,19 @@ def test_the_ps_core_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_ps_adapter_exports_its_names_and_loads_torch_only_for_them():
+    # a process that only drives a communicator (numpy) does not pay torch's import
+    code = ("import sys\nfrom fleetx.ps_torch import make_communicator, Communicator\n"
+            "print('torch' in sys.modules)\n"
+            "from fleetx.ps_torch import LocalSparseBackend, ModelLayout, PSRuntime, "
+            "RemoteSparseBackend\nprint('torch' in sys.modules, ModelLayout.__module__)\n"
+            "import fleetx.ps_torch as p\ntry:\n    p.nothing\nexcept AttributeError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "False", "True fleetx.ps_torch.layout",
+        "module 'fleetx.ps_torch' has no attribute 'nothing'; it has Communicator, "
+        "LocalSparseBackend, ModelLayout, PSRuntime, RemoteSparseBackend, make_communicator"]
