@@ -18,8 +18,9 @@ the optimizer, and ``optimizer.get_loss_scaling()`` returns the current scale.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from fleetx.strategy.data_parallel import DataParallelStrategy
 from fleetx.strategy.gradient_merge import GradientMergeStrategy
 from fleetx.strategy.localsgd import LocalSGDStrategy
 
-__all__ = ["AmpConfig", "AmpStrategy"]
+__all__ = ["AmpConfig", "AmpStrategy", "cpu_has_fast_bf16", "fast_bf16_flags"]
 
 
 @dataclass
@@ -64,6 +65,36 @@ class AmpConfig(Config):
     use_fp16_guard: bool = option(
         True, "With use_pure_fp16, cast only the ops inside an fp16 guard region.",
         no_effect="use_pure_fp16 is refused, so there is no guard region")
+
+
+def fast_bf16_flags(cpuinfo: str) -> Optional[bool]:
+    """Whether ``/proc/cpuinfo`` text shows hardware bfloat16 arithmetic (x86 AMX or
+    AVX512-BF16, Arm's BF16 extension);
+    None when it lists no CPU flags at all.
+
+    Example:
+        >>> fast_bf16_flags("flags : fpu avx2"), fast_bf16_flags("flags : avx512f avx512_bf16")
+        (False, True)
+    """
+    flags = set()
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if not flags:
+        return None
+    return bool(flags & {"amx_bf16", "avx512_bf16", "bf16"})  # bf16: Arm's BFloat16 extension
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> Optional[bool]:
+    """:func:`fast_bf16_flags` of this machine (read once); None where ``/proc/cpuinfo`` is
+    missing (not Linux), so no hint is given."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return fast_bf16_flags(f.read())
+    except OSError:
+        return None
 
 
 def _lists(cfg: AmpConfig) -> tuple[tuple[type, ...], tuple[type, ...]]:
@@ -115,7 +146,12 @@ class AmpStrategy(Strategy):
         if cfg.custom_white_list or cfg.custom_black_list:
             lists = (f"; white {cfg.custom_white_list or '[]'}, "
                      f"black {cfg.custom_black_list or '[]'}")
-        return Verdict.ok(f"autocast {dtype} on {world.device}, {scaling}{lists}")
+        hint = ""
+        if world.device == "cpu" and cpu_has_fast_bf16() is False:
+            hint = ("; hint: this CPU has no fast bfloat16 (no amx_bf16, avx512_bf16 or bf16 flag), so "
+                    "its bfloat16 math is emulated and usually slower than float32: consider "
+                    "strategy.amp = False on this machine")
+        return Verdict.ok(f"autocast {dtype} on {world.device}, {scaling}{lists}{hint}")
 
     def apply(self, ctx: TrainingContext) -> None:
         cfg = self.strategy.typed_config("amp")
