@@ -230,3 +230,17 @@ def test_explain_names_a_key_without_effect(capsys):
     assert "a_sync_configs.use_ps_gpu (GPU parameter servers are not offered)" in text
     assert "amp_configs set while strategy.amp is off" in text
     assert fleet_module is not None
+
+
+def test_distributed_optimizer_warns_about_settings_without_effect():
+    f = Fleet()
+    rm = UserDefinedRoleMaker(is_collective=True, current_id=0, worker_num=1,
+                              worker_endpoints=["127.0.0.1:6170"])
+    f.init(role_maker=rm, strategy=_strategy({"a_sync_configs": {"lr_decay_steps": 5},
+                                              "localsgd_configs": {"k_steps": 4}}))
+    model = nn.Linear(2, 1)
+    with pytest.warns(UserWarning) as caught:
+        f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    text = "\n".join(str(w.message) for w in caught)
+    assert "a_sync_configs.lr_decay_steps (use an LR scheduler" in text
+    assert "localsgd_configs set while strategy.localsgd is off" in text
