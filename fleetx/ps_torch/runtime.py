@@ -37,7 +37,7 @@ from torch import nn
 
 from fleetx.checkpoint import SaveWriter
 from fleetx.optim.wrapper import OptimizerWrapper
-from fleetx.ps import checkpoint
+from fleetx.ps import checkpoint, kernels
 from fleetx.ps.api import CommunicatorConfig, Mode, PSConfig, StateError
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.progress import CountedModel, Progress
@@ -193,7 +193,9 @@ class PSRuntime:
         if self._session is not None:
             raise StateError("init_worker() was already called")
         layout = self._layout("init_worker")
+        _log_to_stderr()  # the worker's log names its kernel backend, as a server's does
         if self.config is None:
+            kernels.log_backend(log, "local tables")  # a job without servers has no KVClient
             self._session = _LocalSession(layout, self._load_dir)
         else:
             self._session = _RemoteSession(layout, self.config, self.index, self.comm)
@@ -382,7 +384,8 @@ def _say(message: str) -> None:
 
 
 def _log_to_stderr() -> None:
-    """Servers log their rows, memory and requests/s; show them unless logging is set up."""
+    """Servers log their rows, memory and requests/s, workers their kernel backend; show them
+    unless logging is set up."""
     if not logging.getLogger().handlers and not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

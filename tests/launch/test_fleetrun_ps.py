@@ -173,6 +173,11 @@ def test_the_fleet_api_job_ends_when_its_workers_do(tmp_path):
     assert "worker 0 done" in res.stdout and "worker 1 done" not in res.stdout
     server_log = (tmp_path / "log" / "serverlog.0").read_text()
     assert "rows" in server_log and "requests/s" in server_log
+    # each process's log names the kernel backend it runs on
+    assert "server 0" in server_log and "parameter-server kernels: C kernels" in server_log
+    for n in (0, 1):
+        worker_log = (tmp_path / "log" / f"workerlog.{n}").read_text()
+        assert f"worker {n}: parameter-server kernels: C kernels" in worker_log, worker_log[-2000:]
 
 
 def test_dry_run_prints_the_plan_as_worker_0(tmp_path):

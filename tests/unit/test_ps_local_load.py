@@ -104,6 +104,8 @@ def test_the_fix_loads_the_save_and_says_so(trained):
     assert f"fleetx ps worker 0: loaded from {tmp_path / 'saved'} (50 sparse row(s), 1 dense " \
            f"table(s))" in res.stdout.splitlines()
     assert _outputs(res) == pytest.approx(outputs, abs=1e-6)
+    # a job without servers names its kernel backend too (servers and KV clients do)
+    assert "local tables: parameter-server kernels: C kernels" in res.stderr
 
 
 def test_initial_weights_on_purpose_are_scored(trained):
