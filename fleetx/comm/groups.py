@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,10 @@ _POLL_S = 0.05
 _REPORT_S = 1.0
 
 
-def default_timeout() -> float:
-    """Seconds a rendezvous or collective may wait for a peer (``FLEETX_TIMEOUT``; 300)."""
-    value = env.get_int("FLEETX_TIMEOUT", 300)
+def default_timeout(environ: Optional[Mapping[str, str]] = None) -> float:
+    """Seconds a rendezvous or collective may wait for a peer (``FLEETX_TIMEOUT``; 300), from
+    ``environ`` (the process environment by default)."""
+    value = env.get_int("FLEETX_TIMEOUT", 300, environ)
     if value <= 0:
         raise env.EnvError(f"FLEETX_TIMEOUT={value} must be > 0 seconds")
     return float(value)

@@ -26,7 +26,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Optional
+from typing import Mapping, Optional
 
 from fleetx import env
 from fleetx.ps.api import TRANSPORTS, AuthError, PSConfigError, PSConfig, PSTimeoutError
@@ -53,22 +53,24 @@ _HANDSHAKE_TIMEOUT = 30.0
 _warned = threading.Event()
 
 
-def settings_from_env() -> dict:
-    """``PSConfig`` fields from the environment: the secret (``FLEETX_PS_SECRET`` or
-    ``FLEETX_PS_SECRET_FILE``, only named here; checked when a connection is made), the
-    frame limit (``FLEETX_PS_MAX_FRAME_MB``) and the transport (``FLEETX_PS_TRANSPORT``).
+def settings_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """``PSConfig`` fields from the environment (``environ``, the process environment by
+    default): the secret (``FLEETX_PS_SECRET`` or ``FLEETX_PS_SECRET_FILE``, only named here;
+    checked when a connection is made), the frame limit (``FLEETX_PS_MAX_FRAME_MB``) and the
+    transport (``FLEETX_PS_TRANSPORT``).
 
     Raises:
         fleetx.env.EnvError: ``FLEETX_PS_MAX_FRAME_MB`` is not a number, or
             ``FLEETX_PS_TRANSPORT`` is not one of :data:`fleetx.ps.api.TRANSPORTS`.
     """
-    transport = env.get("FLEETX_PS_TRANSPORT", "tcp")
+    transport = env.get("FLEETX_PS_TRANSPORT", "tcp", environ)
     if transport not in TRANSPORTS:
         raise env.EnvError(f"environment variable FLEETX_PS_TRANSPORT={transport!r}: expected "
                            f"one of {', '.join(TRANSPORTS)}")
-    return {"secret": env.get("FLEETX_PS_SECRET"),
-            "secret_file": env.get("FLEETX_PS_SECRET_FILE"),
-            "max_frame_bytes": int(env.get_float("FLEETX_PS_MAX_FRAME_MB", 1024.0) * (1 << 20)),
+    return {"secret": env.get("FLEETX_PS_SECRET", None, environ),
+            "secret_file": env.get("FLEETX_PS_SECRET_FILE", None, environ),
+            "max_frame_bytes": int(env.get_float("FLEETX_PS_MAX_FRAME_MB", 1024.0, environ)
+                                   * (1 << 20)),
             "transport": transport}
 
 

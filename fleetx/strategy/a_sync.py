@@ -83,8 +83,9 @@ class AsyncConfig(Config):
 def ps_config(strategy, world) -> Optional[PSConfig]:
     """The cluster of a parameter-server world, or None when it has no servers.
 
-    Liveness and logging come from the environment: ``FLEETX_TIMEOUT`` (servers coming up,
-    workers registering, the longest wait for a silent peer in a sync round or barrier),
+    Liveness and logging come from the launcher contract's variables, as ``world.environ``
+    captured them when the world was made: ``FLEETX_TIMEOUT`` (servers coming up, workers
+    registering, the longest wait for a silent peer in a sync round or barrier),
     ``FLEETX_PS_HEARTBEAT_INTERVAL``, ``FLEETX_PS_DEAD_AFTER`` and ``FLEETX_LOG_INTERVAL``;
     request limits and the save root from ``FLEETX_PS_MAX_LR``, ``FLEETX_PS_MAX_ROWS``,
     ``FLEETX_PS_NONFINITE`` and ``FLEETX_PS_SAVE_ROOT``; the shared secret and the frame limit
@@ -97,22 +98,27 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
     """
     if not world.server_num:
         return None
-    interval = env.get_float("FLEETX_LOG_INTERVAL", 10.0)
+    e = world.environ
+    interval = _log_interval(world)
     return PSConfig(world.server_endpoints, world.world_size, mode=strategy.ps_mode(),
-                    heartbeat_interval=env.get_float("FLEETX_PS_HEARTBEAT_INTERVAL", 3.0),
-                    dead_after=env.get_float("FLEETX_PS_DEAD_AFTER", 15.0),
-                    timeout=default_timeout(),
+                    heartbeat_interval=env.get_float("FLEETX_PS_HEARTBEAT_INTERVAL", 3.0, e),
+                    dead_after=env.get_float("FLEETX_PS_DEAD_AFTER", 15.0, e),
+                    timeout=default_timeout(e),
                     log_interval=interval if interval > 0 else float("inf"),
-                    **_ps_limits(), **settings_from_env())
+                    **_ps_limits(e), **settings_from_env(e))
 
 
-def _ps_limits() -> dict:
+def _log_interval(world) -> float:
+    return env.get_float("FLEETX_LOG_INTERVAL", 10.0, world.environ)
+
+
+def _ps_limits(e) -> dict:
     """What servers accept (``FLEETX_PS_MAX_LR``, ``FLEETX_PS_MAX_ROWS``,
-    ``FLEETX_PS_NONFINITE``) and where they save (``FLEETX_PS_SAVE_ROOT``)."""
-    return {"max_lr": env.get_float("FLEETX_PS_MAX_LR", 10.0),
-            "max_rows": env.get_int("FLEETX_PS_MAX_ROWS", 0),
-            "nonfinite": env.get("FLEETX_PS_NONFINITE", "refuse"),
-            "save_root": env.get("FLEETX_PS_SAVE_ROOT")}
+    ``FLEETX_PS_NONFINITE``) and where they save (``FLEETX_PS_SAVE_ROOT``), from ``e``."""
+    return {"max_lr": env.get_float("FLEETX_PS_MAX_LR", 10.0, e),
+            "max_rows": env.get_int("FLEETX_PS_MAX_ROWS", 0, e),
+            "nonfinite": env.get("FLEETX_PS_NONFINITE", "refuse", e),
+            "save_root": env.get("FLEETX_PS_SAVE_ROOT", None, e)}
 
 
 def _communicator(cfg: AsyncConfig) -> CommunicatorConfig:
@@ -152,13 +158,12 @@ class ParameterServerStrategy(Strategy):
                           f"worker(s); {tables}")
 
     def apply(self, ctx: TrainingContext) -> None:
-        world = ctx.world
-        interval = env.get_float("FLEETX_LOG_INTERVAL", 10.0)
+        world = ctx.world  # its environ holds the launcher's settings: nothing is read here
         runtime = PSRuntime(
             ctx.model, ctx.optimizer, ps_config(self.strategy, world),
             is_server=world.is_server, index=world.rank,
             comm=_communicator(self.strategy.typed_config("a_sync")),
-            log_interval=interval)
+            log_interval=_log_interval(world))
         ctx.runtime = runtime
         ctx.optimizer = runtime.optimizer
         ctx.forward_contexts.append(runtime.forward_scope)

@@ -24,8 +24,10 @@ import abc
 import contextlib
 import enum
 import heapq
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Mapping, Optional
+
+from fleetx import env
 
 __all__ = [
     "Mode", "WorldInfo", "ModelInfo", "OptimizerInfo", "PlanInput", "Verdict", "PlanEntry",
@@ -67,6 +69,10 @@ class WorldInfo:
         server_num: number of parameter servers (0 in collective mode).
         device: ``"cpu"`` or ``"cuda"``.
         server_endpoints: ``ip:port`` of every parameter server, in server-index order.
+        environ: the launcher contract's variables (``fleetx.env``) that are set, read when the
+            world is made; strategies take settings from here, never from the process
+            environment in ``apply``. Left out of ``repr`` (it may hold a secret) and of
+            comparisons.
     """
 
     rank: int = 0
@@ -79,6 +85,13 @@ class WorldInfo:
     server_num: int = 0
     device: str = "cpu"
     server_endpoints: tuple[str, ...] = ()
+    environ: Mapping[str, str] = field(default_factory=lambda: _contract_environ(),
+                                       repr=False, compare=False, hash=False)
+
+
+def _contract_environ() -> dict[str, str]:
+    """The declared variables that are set, secrets included (held, never printed)."""
+    return {name: env.get(name) for name in env.VARIABLES if env.get(name) is not None}
 
 
 @dataclass(frozen=True)
