@@ -51,5 +51,3 @@ def test_every_setting_without_effect_is_marked():
         for key in cls.specs():
             row = next(line for line in block.splitlines() if line.startswith(f"| `{key}` |"))
             assert ("**no effect**" in row) == bool(cls.no_effect_of(key)), f"{section}.{key}"
-    for name in ("recompute", "sharding", "pipeline", "tensor_parallel", "auto"):
-        assert ds.TopLevelConfig.no_effect_of(name), name
