@@ -148,9 +148,9 @@ class AmpStrategy(Strategy):
                      f"black {cfg.custom_black_list or '[]'}")
         hint = ""
         if world.device == "cpu" and cpu_has_fast_bf16() is False:
-            hint = ("; hint: this CPU has no fast bfloat16 (no amx_bf16, avx512_bf16 or bf16 flag), so "
-                    "its bfloat16 math is emulated and usually slower than float32: consider "
-                    "strategy.amp = False on this machine")
+            hint = ("; hint: this CPU has no fast bfloat16 (no amx_bf16, avx512_bf16 or bf16 "
+                    "flag), so its bfloat16 math is emulated and usually slower than float32: "
+                    "consider strategy.amp = False on this machine")
         return Verdict.ok(f"autocast {dtype} on {world.device}, {scaling}{lists}{hint}")
 
     def apply(self, ctx: TrainingContext) -> None:

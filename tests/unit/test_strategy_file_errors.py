@@ -60,7 +60,8 @@ def test_yaml_errors_name_file_and_line(tmp_path):
 def test_malformed_yaml_names_line_and_column(tmp_path):
     pytest.importorskip("yaml")
     kind, msg = load(tmp_path, "s.yaml", "amp: [1,\n  2\n")
-    assert kind is ValueError and msg.startswith("s.yaml:3:1: not valid YAML: expected ',' or ']'")
+    assert kind is ValueError
+    assert msg.startswith("s.yaml:3:1: not valid YAML: expected ',' or ']'")
 
 
 def test_a_file_that_is_not_a_mapping(tmp_path):
