@@ -268,7 +268,7 @@ class Fleet:
         for entry in plan.warnings:
             if (entry.name, entry.reason) not in self._warned:  # once per job, not per re-plan
                 self._warned.add((entry.name, entry.reason))
-                warnings.warn(f"fleetx: {entry.name} skipped: {entry.reason}", stacklevel=3)
+                warnings.warn(f"fleetx: {entry.warning_text}", stacklevel=3)
         self._ctx, self._plan = ctx, plan
         return ctx
 

@@ -93,9 +93,9 @@ class DistributedOptimizer(OptimizerWrapper):
 
         Local SGD steps without communicating between its averages, so after the last step the
         ranks hold different parameters; call this on every rank (it is a collective) before
-        saving or evaluating. It acts through the strategies that offer it (``localsgd``); with
-        any other plan it sends nothing (data parallel and gradient merge keep the ranks equal;
-        adaptive local SGD does not offer it yet).
+        saving or evaluating. It acts through the strategies that offer it (``localsgd``,
+        ``adaptive_localsgd``); with any other plan it sends nothing (data parallel and gradient
+        merge keep the ranks equal).
 
         Example:
             >>> opt.average_parameters()        # every rank

@@ -170,6 +170,8 @@ class AdaptiveLocalSGDStrategy(Strategy):
                 schedule.observe(lr, _mean_loss(latest.get("loss")))
 
         ctx.after_step.append(after_step)
+        # as under localsgd, the ranks differ between averages: average_parameters() ends that
+        ctx.optimizer_methods["average_parameters"] = lambda: average(model_parameters(ctx))
 
 
 def _mean_loss(loss: Any) -> float:

@@ -156,13 +156,16 @@ class Verdict:
 
     ``apply`` and ``reason``: apply it, or why not. ``warn``: a skip worth a warning (the user
     asked for it, but it is pointless here, e.g. DGC on one process). ``error``: the user asked for
-    it and a precondition is unmet; the planner raises :class:`StrategyError`.
+    it and a precondition is unmet; the planner raises :class:`StrategyError`. ``notice``: not a
+    strategy but a warning about the settings (values without effect, a config without its
+    switch): shown as ``WARNING``, never as a skipped strategy.
     """
 
     apply: bool
     reason: str
     warn: bool = False
     error: bool = False
+    notice: bool = False
 
     @classmethod
     def ok(cls, reason: str = "") -> "Verdict":
@@ -176,6 +179,11 @@ class Verdict:
     def fail(cls, reason: str) -> "Verdict":
         return cls(False, reason, error=True)
 
+    @classmethod
+    def warning(cls, reason: str) -> "Verdict":
+        """A notice about the settings, warned about; nothing is skipped."""
+        return cls(False, reason, warn=True, notice=True)
+
 
 @dataclass(frozen=True)
 class PlanEntry:
@@ -186,6 +194,12 @@ class PlanEntry:
     reason: str
     warn: bool = False
     enabled: bool = True  # the user switched it on (or it is implicit, like data parallel)
+    notice: bool = False  # a warning about the settings, not a strategy
+
+    @property
+    def warning_text(self) -> str:
+        """The warning this entry raises: a notice says its reason, a strategy its skip."""
+        return self.reason if self.notice else f"{self.name} skipped: {self.reason}"
 
 
 @dataclass(frozen=True)
@@ -217,7 +231,7 @@ class Plan:
                 lines.append(f"  {order}. {e.name:<26} applied   {e.reason}".rstrip())
         for e in self.entries:
             if not e.applied and (e.enabled or e.warn):
-                tag = "WARNING skipped" if e.warn else "skipped"
+                tag = "WARNING" if e.notice else "WARNING skipped" if e.warn else "skipped"
                 lines.append(f"  -  {e.name:<26} {tag}   {e.reason}".rstrip())
         if not self.applied:
             lines.append("  (no strategy applies: plain local training)")

@@ -109,8 +109,8 @@ class NoEffectSettings(_Notice):
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:
         found = without_effect(plan_input.strategy)
-        return Verdict.skip("set but without effect in fleetx: " + "; ".join(
-            f"{', '.join(names)} ({why})" for why, names in found.items()), warn=True)
+        return Verdict.warning("set but without effect in fleetx: " + "; ".join(
+            f"{', '.join(names)} ({why})" for why, names in found.items()))
 
 
 @register
@@ -134,4 +134,4 @@ class ConfigsWithoutSwitch(_Notice):
             switch = section[:-len("_configs")]
             texts.append(f"{section} set while strategy.{switch} is off: ignored "
                          f"(set strategy.{switch} = True to use it)")
-        return Verdict.skip("; ".join(texts), warn=True)
+        return Verdict.warning("; ".join(texts))

@@ -59,7 +59,8 @@ def make_plan(plan_input: PlanInput, strategies: Optional[Sequence[type]] = None
         verdict = cls(plan_input.strategy).can_apply(plan_input)
         if verdict.error:
             errors.append(f"{cls.name}: {verdict.reason}")
-        entries[cls.name] = PlanEntry(cls.name, verdict.apply, verdict.reason, warn=verdict.warn)
+        entries[cls.name] = PlanEntry(cls.name, verdict.apply, verdict.reason, warn=verdict.warn,
+                                     notice=verdict.notice)
     errors += _conflicts(candidates, entries)
     if errors:
         raise StrategyError("the distributed strategy cannot run as configured:\n  "

@@ -212,6 +212,18 @@ def test_average_parameters_before_saving_gives_every_rank_the_same_model(ranks)
             assert torch.equal(r["k1"]["averaged"][name], value)
 
 
+def test_average_parameters_under_adaptive_localsgd_ends_the_drift(ranks):
+    # With the interval grown to 16, the 40 steps end between averages: the ranks end apart
+    # until average_parameters() gives both the mean of their models.
+    last = [r["adaptive"]["state"] for r in ranks]
+    assert any(not torch.equal(last[0][k], last[1][k]) for k in last[0])
+    for name in last[0]:
+        saved = [r["adaptive"]["averaged"][name] for r in ranks]
+        assert torch.equal(saved[0], saved[1]), name
+        torch.testing.assert_close(saved[0], (last[0][name] + last[1][name]) / 2,
+                                   rtol=0, atol=1e-6)
+
+
 def test_localsgd_with_amp(ranks):
     t0, t1 = ranks[0]["amp"]["trace"], ranks[1]["amp"]["trace"]
     assert ranks[0]["amp"]["plan"] == ("data_parallel", "localsgd", "amp")

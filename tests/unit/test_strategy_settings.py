@@ -244,3 +244,8 @@ def test_distributed_optimizer_warns_about_settings_without_effect():
     text = "\n".join(str(w.message) for w in caught)
     assert "a_sync_configs.lr_decay_steps (use an LR scheduler" in text
     assert "localsgd_configs set while strategy.localsgd is off" in text
+    # notices about settings are not skipped strategies, in the warning or in the plan
+    assert "skipped" not in text
+    plan = str(f.explain(file=io.StringIO()))
+    assert "no_effect                  WARNING   set but without effect" in plan
+    assert "configs_without_switch     WARNING   localsgd_configs set" in plan
