@@ -23,14 +23,14 @@ See ``docs/parameter_server.md``.
 """
 from fleetx.ps.api import (AuthError, CommunicatorConfig, ConfigError, DenseTableSpec, InitConfig,
                            Mode, PeerLostError, ProtocolError, PSConfig, PSConfigError, PSError,
-                           PSTimeoutError, RemoteError, RequestError, RuleConfig, SparseTableSpec,
-                           Tables)
+                           PSMode, PSTimeoutError, RemoteError, RequestError, RuleConfig,
+                           SparseTableSpec, Tables)
 from fleetx.ps.client import KVClient, PullResult, SparseRows
 from fleetx.ps.server import PSServer, run_server
 
 __all__ = [
-    "AuthError", "CommunicatorConfig", "PSConfigError", "ConfigError", "DenseTableSpec", "InitConfig",
-    "Mode", "PeerLostError", "ProtocolError", "PSConfig", "PSError", "PSTimeoutError", "RemoteError",
-    "RequestError", "RuleConfig", "SparseTableSpec", "Tables", "KVClient", "PullResult", "SparseRows",
-    "PSServer", "run_server",
+    "AuthError", "CommunicatorConfig", "PSConfigError", "ConfigError", "DenseTableSpec",
+    "InitConfig", "Mode", "PSMode", "PeerLostError", "ProtocolError", "PSConfig", "PSError",
+    "PSTimeoutError", "RemoteError", "RequestError", "RuleConfig", "SparseTableSpec", "Tables",
+    "KVClient", "PullResult", "SparseRows", "PSServer", "run_server",
 ]

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 __all__ = [
     "WIRE_MAGIC", "WIRE_VERSION", "HEADER", "DESCRIPTOR", "FLAG_REPLY", "FLAG_ERROR",
-    "MAX_META_BYTES", "MAX_BUFFERS", "Kind", "DTYPES", "DTYPE_CODES", "Mode",
+    "MAX_META_BYTES", "MAX_BUFFERS", "Kind", "DTYPES", "DTYPE_CODES", "PSMode",
     "PSError", "PSConfigError", "ConfigError", "ProtocolError", "PeerLostError", "RemoteError",
     "PSTimeoutError",
     "StateError", "AuthError", "RequestError", "NONFINITE", "DEFAULT_MAX_FRAME_BYTES",
@@ -76,7 +76,7 @@ DTYPES: Mapping[int, str] = {1: "<i8", 2: "<f4", 3: "<f8", 4: "|u1", 5: "<i4"}
 DTYPE_CODES: Mapping[str, int] = {v: k for k, v in DTYPES.items()}
 
 
-class Mode(str, enum.Enum):
+class PSMode(str, enum.Enum):
     """How updates travel (Fleet's ``a_sync`` / ``k_steps``)."""
 
     SYNC = "sync"    # every step applies the mean of all workers' gradients
@@ -100,6 +100,9 @@ class PSConfigError(PSError, ValueError):
 # The name ``fleetx.ps`` exported before ``fleetx.launch.ConfigError`` (a bad fleetrun flag)
 # made it ambiguous; kept so that scripts catching ``fleetx.ps.ConfigError`` go on working.
 ConfigError = PSConfigError
+# Likewise ``fleetx.ps.Mode``, the name of :class:`PSMode` before ``fleetx.strategy.api.Mode``
+# (collective / ps) made it mean two things.
+Mode = PSMode
 
 
 class ProtocolError(PSError):
@@ -412,7 +415,7 @@ class PSConfig:
 
     servers: tuple
     num_workers: int
-    mode: Mode = Mode.ASYNC
+    mode: PSMode = PSMode.ASYNC
     shard_num: int = 1000
     heartbeat_interval: float = 3.0
     dead_after: float = 15.0
@@ -430,7 +433,7 @@ class PSConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
-        object.__setattr__(self, "mode", Mode(self.mode))
+        object.__setattr__(self, "mode", PSMode(self.mode))
         _require(len(self.servers) > 0, "PSConfig.servers: at least one server endpoint")
         for ep in self.servers:
             host, _, port = str(ep).rpartition(":")

@@ -25,7 +25,7 @@ import numpy as np
 
 from fleetx.checkpoint import FileEntry
 from fleetx.ps import kernels
-from fleetx.ps.api import (PSConfigError, Kind, Mode, PeerLostError, PSConfig, PSError, Tables,
+from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, PSConfig, PSError, Tables,
                            endpoint_of)
 from fleetx.ps.partition import Route, dense_ranges, route
 from fleetx.ps.tracker import Handle, Tracker
@@ -250,7 +250,7 @@ class KVClient:
         meta = {"kind": "delta" if delta else "grad", "pull_dense": list(pull_dense)}
         if geo_pull is not None:
             meta["geo_pull"] = list(geo_pull)
-        every = self.config.mode == Mode.SYNC or geo_pull is not None or bool(pull_dense)
+        every = self.config.mode == PSMode.SYNC or geo_pull is not None or bool(pull_dense)
         flat = {n: np.empty(self.tables.get(n).numel, np.float32) for n in pull_dense}
         # geo replies have a variable number of rows: let the transport allocate those
         direct = None if geo_pull is not None else flat

@@ -42,7 +42,7 @@ from typing import Optional
 
 from fleetx.checkpoint import CheckpointError, SaveWriter
 from fleetx.ps import kernels, requests
-from fleetx.ps.api import (PSConfigError, Kind, Mode, PeerLostError, ProtocolError, PSConfig,
+from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, ProtocolError, PSConfig,
                            PSError, Tables, endpoint_of)
 from fleetx.ps.checkpoint import confine
 from fleetx.ps.requests import Push
@@ -389,7 +389,7 @@ class PSServer:
 
     def _on_push(self, link: Link, msg: Message) -> Optional[Message]:
         push = self._checked_push(link, msg)
-        if self.config.mode == Mode.SYNC:
+        if self.config.mode == PSMode.SYNC:
             self._waits.push(link.peer_info["rank"], Waiting(link, msg, push, time.monotonic()))
             self._try_rounds()
             return None

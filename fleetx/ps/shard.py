@@ -18,7 +18,7 @@ import numpy as np
 from fleetx.ps import kernels
 from fleetx.checkpoint import SaveWriter
 from fleetx.ps import requests
-from fleetx.ps.api import PSConfigError, Mode, PSConfig, RuleConfig, Tables
+from fleetx.ps.api import PSConfigError, PSMode, PSConfig, RuleConfig, Tables
 from fleetx.ps.checkpoint import load_server, save_server
 from fleetx.ps.partition import dense_ranges
 from fleetx.ps.requests import Push
@@ -41,7 +41,7 @@ class Shard:
     def __init__(self, config: PSConfig, index: int, tables: Tables,
                  load_dir: Optional[str] = None, capacity: int = 1024) -> None:
         self.config, self.index = config, index
-        geo = config.mode == Mode.GEO
+        geo = config.mode == PSMode.GEO
 
         def rule(r: RuleConfig):
             return make_rule(RuleConfig("sum") if geo else r)
@@ -98,7 +98,7 @@ class Shard:
             self.sparse[name].check_capacity(ids)
         for name, ids, grads in push.sparse:
             self.sparse[name].push(ids, grads)
-            if self.config.mode == Mode.GEO:
+            if self.config.mode == PSMode.GEO:
                 for r in range(self.config.num_workers):
                     self._geo_dirty[name][r].append(ids)
         for name, grads in push.dense:

@@ -107,7 +107,8 @@ def encode_frame(msg: Message, max_frame_bytes: int) -> list:
     for a in arrays:
         code = DTYPE_CODES.get(a.dtype.str)
         if code is None:
-            raise ProtocolError(f"dtype {a.dtype} cannot travel; use one of {list(DTYPES.values())}")
+            raise ProtocolError(f"dtype {a.dtype} cannot travel; "
+                                f"use one of {list(DTYPES.values())}")
         head.append(DESCRIPTOR.pack(code, a.nbytes))
     head.append(meta)
     return [b"".join(head)] + [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes]

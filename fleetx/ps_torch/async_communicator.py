@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from fleetx.ps.api import Mode, PSError
+from fleetx.ps.api import PSMode, PSError
 from fleetx.ps_torch.communicator import Communicator
 
 __all__ = ["AsyncCommunicator"]
@@ -43,7 +43,7 @@ def _merge(batch: list) -> tuple[dict, dict]:
 class AsyncCommunicator(Communicator):
     """Gradients applied on arrival at the servers; sending overlaps training."""
 
-    mode = Mode.ASYNC
+    mode = PSMode.ASYNC
 
     def _started(self, dense):
         self._queue: queue.Queue = queue.Queue(maxsize=self.comm.send_queue_size)

@@ -24,7 +24,7 @@ from typing import ClassVar, Mapping, Optional, Sequence
 import numpy as np
 
 from fleetx.checkpoint import SaveWriter
-from fleetx.ps.api import CommunicatorConfig, Mode, PSConfig, Tables
+from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, Tables
 from fleetx.ps.checkpoint import save_dense
 from fleetx.ps.client import KVClient
 from fleetx.ps.tracker import Handle
@@ -42,7 +42,7 @@ class Communicator(abc.ABC):
         comm: sending knobs (``a_sync_configs``).
     """
 
-    mode: ClassVar[Mode]
+    mode: ClassVar[PSMode]
 
     def __init__(self, config: PSConfig, rank: int, tables: Tables,
                  comm: Optional[CommunicatorConfig] = None) -> None:
@@ -130,7 +130,7 @@ class SyncCommunicator(Communicator):
     """Every step: one push per server carrying all tables; the reply comes after the server
     applied the mean of all workers' gradients and carries the new dense weights."""
 
-    mode = Mode.SYNC
+    mode = PSMode.SYNC
 
     def step(self, params, grads, sparse_grads):
         flat, _ = self.client.push(sparse_grads, grads, pull_dense=list(grads)).wait()

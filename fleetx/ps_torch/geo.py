@@ -19,7 +19,7 @@ import collections
 import numpy as np
 
 from fleetx.ps import kernels
-from fleetx.ps.api import Mode
+from fleetx.ps.api import PSMode
 from fleetx.ps.client import PullResult, SparseRows
 from fleetx.ps_torch.communicator import Communicator
 from fleetx.ps.rules import Rule, make_rule
@@ -55,7 +55,7 @@ class _WithBase(Rule):
 class GeoCommunicator(Communicator):
     """Local training with a delta exchange every ``comm.k_steps`` steps."""
 
-    mode = Mode.GEO
+    mode = PSMode.GEO
 
     def _started(self, dense):
         self._local = {t.name: SparseTable(t, _WithBase(make_rule(t.rule)))

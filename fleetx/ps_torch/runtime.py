@@ -38,7 +38,7 @@ from torch import nn
 from fleetx.checkpoint import SaveWriter
 from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint, kernels
-from fleetx.ps.api import CommunicatorConfig, Mode, PSConfig, StateError
+from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.progress import CountedModel, Progress
 from fleetx.ps.rules import make_rule
@@ -106,7 +106,7 @@ class _RemoteSession:
         layout.load_dense(self._params)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        geo = self.mode == Mode.GEO
+        geo = self.mode == PSMode.GEO
         if geo:  # GEO trains locally; the communicator sends the parameter change every k steps
             optimizer.step()
         params = self.layout.dense_values()
@@ -131,14 +131,14 @@ class _RemoteSession:
         """Async: wait until this worker's queued steps are applied and load the servers'
         dense weights (the last reply may lag several steps). Sync steps already return them;
         a GEO worker's own model is what it evaluates."""
-        if self.mode == Mode.ASYNC:
+        if self.mode == PSMode.ASYNC:
             self.comm.flush()
             names = [t.name for t in self.layout.tables.dense]
             if names:
                 self.layout.load_dense(self.comm.client.pull(dense=names).wait().dense)
 
     def _reload(self) -> None:
-        if self.mode == Mode.GEO:  # a flush exchanged pending steps into the last params
+        if self.mode == PSMode.GEO:  # a flush exchanged pending steps into the last params
             self.layout.load_dense(self._params)
 
     def stop(self) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fleetx.ps.api import CommunicatorConfig, Mode, PSConfig, Tables
+from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, Tables
 from fleetx.ps_torch.async_communicator import AsyncCommunicator
 from fleetx.ps_torch.communicator import Communicator, SyncCommunicator
 from fleetx.ps_torch.geo import GeoCommunicator
@@ -21,4 +21,4 @@ def make_communicator(config: PSConfig, rank: int, tables: Tables,
         >>> comm = make_communicator(config, rank, tables)      # doctest: +SKIP
         >>> dense = comm.start(dense=initial_weights)
     """
-    return _BY_MODE[Mode(config.mode)](config, rank, tables, comm)
+    return _BY_MODE[PSMode(config.mode)](config, rank, tables, comm)
