@@ -1,17 +1,25 @@
-"""Reading JSON and YAML strategy files so that every error names ``file:line``.
+"""Reading strategy files (JSON, YAML, prototxt) so that every error names ``file:line``.
 
 Python's ``json`` and PyYAML give the values but not where each key stood, so a wrong key
 deep in a file would otherwise be reported with no place at all. :func:`read_mapping` parses a
 file and returns the data with a *locator*: ``locate(("amp_configs", "decr_rate"))`` is the line
 of that key. A malformed file is a ``ValueError`` starting ``file:line:col:``.
+:func:`failing_path` finds the entry of such data that assignment refuses, for the locator to
+place. :func:`decode_prototxt` types the entries :mod:`~fleetx.strategy.prototxt` parsed
+against the strategy's fields (:mod:`~fleetx.strategy.fields`), each error with its line.
 """
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Optional, Sequence
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-__all__ = ["read_mapping", "Locator"]
+from fleetx.strategy import prototxt
+from fleetx.strategy.config import Config, unknown_name
+from fleetx.strategy.fields import FIELDS, MESSAGES, TopLevelConfig, resolve_name
+
+__all__ = ["read_mapping", "Locator", "failing_path", "decode_prototxt", "yaml_module"]
 
 Locator = Callable[[Sequence[str]], Optional[int]]
 
@@ -51,7 +59,7 @@ def _read_json(text: str, source: str) -> tuple[Any, Locator]:
 
 
 def _read_yaml(text: str, source: str) -> tuple[Any, Locator]:
-    yaml = _yaml()
+    yaml = yaml_module()
     try:
         data = yaml.safe_load(text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -74,10 +82,107 @@ def _read_yaml(text: str, source: str) -> tuple[Any, Locator]:
     return data, locate
 
 
-def _yaml() -> Any:
+def yaml_module() -> Any:
+    """The ``yaml`` module.
+
+    Raises:
+        ImportError: pyyaml is not installed (the message says how to install it).
+    """
     try:
         import yaml
     except ImportError:
         raise ImportError("YAML strategy files need pyyaml: pip install pyyaml "
                           "(or pip install fleetx[yaml])") from None
     return yaml
+
+
+def failing_path(data: Mapping[str, Any]) -> Union[tuple[str, ...], None]:
+    """The first field (or ``(config, key)``) of ``data`` that assignment refuses, to say where
+    it stands in its file; None when no single entry is at fault."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # old names warn on the real load
+        for name, value in data.items():
+            try:
+                field = resolve_name(name)
+                if field not in MESSAGES:
+                    TopLevelConfig.check(field, value)
+                    continue
+                if not isinstance(value, Mapping):
+                    return (name,)
+            except (TypeError, ValueError):
+                return (name,)
+            cls = MESSAGES[field]
+            for key, item in value.items():
+                try:
+                    cls.check(cls.canonical(key), item)
+                except (TypeError, ValueError):
+                    return (name, key)
+    return None
+
+
+def decode_prototxt(entries: tuple[prototxt.Entry, ...], source: str, ignore_unknown: bool,
+                    skipped: list[str]) -> dict[str, Any]:
+    """The strategy fields of parsed prototxt ``entries``, typed, as a dict for assignment.
+
+    Args:
+        entries: the parsed file (:func:`fleetx.strategy.prototxt.parse`).
+        source: the file name, for messages.
+        ignore_unknown: skip unknown names (appended to ``skipped``) instead of raising.
+        skipped: receives the skipped names (``"amp_configs.use_bf16"``).
+
+    Raises:
+        ValueError: an unknown field, a message written as a scalar or the reverse, or a bad
+            value (``file:line:`` first).
+        TypeError: a value of the wrong type (``file:line:`` first).
+    """
+    return _decode(entries, TopLevelConfig, source, ignore_unknown, skipped)
+
+
+def _decode(entries: tuple[prototxt.Entry, ...], cls: type[Config], source: str,
+            ignore_unknown: bool, skipped: list[str]) -> dict[str, Any]:
+    """Typed values of parsed prototxt entries against ``cls`` (and, at the top, ``MESSAGES``).
+
+    Repeated lines gather into one list; a later scalar overwrites an earlier one.
+    """
+    top = cls is TopLevelConfig
+    out: dict[str, Any] = {}
+    for entry in entries:
+        where = f"{source}:{entry.line}"
+        name = _decoded_name(cls, entry.name)
+        if name is None:
+            if not ignore_unknown:
+                known = FIELDS if top else cls.specs()
+                what = "DistributedStrategy field" if top else f"{cls.section} field"
+                raise ValueError(f"{where}: {unknown_name(what, entry.name, known)}")
+            skipped.append(entry.name if top else f"{cls.section}.{entry.name}")
+            continue
+        is_message = top and name in MESSAGES
+        if entry.is_message != is_message:
+            form = f"{name} {{ ... }}" if is_message else f"{name}: value"
+            raise ValueError(f"{where}: {name} must be written as {form}")
+        if is_message:
+            merged = out.setdefault(name, {})
+            for key, value in _decode(entry.value, MESSAGES[name], source, ignore_unknown,
+                                      skipped).items():
+                merged[key] = merged.get(key, []) + value if isinstance(value, list) else value
+            continue
+        spec = cls.specs()[name]
+        value = prototxt.value_of(entry.value, spec.type, cls.label(name), source, spec.enum)
+        try:
+            value = spec.coerce_item(value, cls.label(name))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from None
+        if spec.is_list:
+            out.setdefault(name, []).append(value)
+        else:
+            out[name] = value
+    return out
+
+
+def _decoded_name(cls: type[Config], name: str) -> Union[str, None]:
+    try:
+        if cls is TopLevelConfig:
+            return resolve_name(name)
+        return cls.canonical(name)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,138 @@
+"""The fields of :class:`~fleetx.strategy.distributed_strategy.DistributedStrategy`.
+
+:class:`TopLevelConfig` holds its scalar fields (switches and communication flags) and
+:data:`MESSAGES` its message fields (the ``*_configs`` dataclasses and the build / execution
+strategies), both in Paddle's protobuf field-number order. :func:`resolve_name` turns any name a
+user may write (a field, Paddle's attribute spelling, an old name) into the field it means. The
+strategy object, the file readers and the generated overview and reference all read these
+declarations, so a field added here appears everywhere at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetx.strategy.a_sync import AsyncConfig
+from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDConfig
+from fleetx.strategy.amp import AmpConfig
+from fleetx.strategy.build import BuildStrategy, ExecutionStrategy
+from fleetx.strategy.config import Config, option, unknown_name, warn_old_name
+from fleetx.strategy.dgc import DGCConfig
+from fleetx.strategy.gradient_merge import GradientMergeConfig
+from fleetx.strategy.gradient_scale import GradientScaleConfig
+from fleetx.strategy.hybrid import HybridConfig
+from fleetx.strategy.lamb import LambConfig
+from fleetx.strategy.lars import LarsConfig
+from fleetx.strategy.localsgd import LocalSGDConfig
+from fleetx.strategy.pipeline import PipelineConfig
+from fleetx.strategy.recompute import RecomputeConfig
+from fleetx.strategy.sharding import ShardingConfig
+from fleetx.strategy.tensor_parallel import TensorParallelConfig
+from fleetx.strategy.trainer_desc import TrainerDescConfig
+
+__all__ = ["TopLevelConfig", "MESSAGES", "BAGS", "FIELDS", "SPELLINGS", "ALIASES",
+           "resolve_name"]
+
+
+@dataclass
+class TopLevelConfig(Config):
+    """The scalar fields of :class:`DistributedStrategy`, in protobuf field-number order (1-35)."""
+
+    mode: str = option("COLLECTIVE", "Job architecture as recorded in saved strategies.",
+                       enum={"COLLECTIVE": 1, "PS": 2, "PIPELINE": 3, "HETER": 4},
+                       no_effect="fleetx takes the mode from fleet.init(is_collective=...)")
+    amp: bool = option(False, "Automatic mixed precision (amp_configs).")
+    recompute: bool = option(False, "Recompute / activation checkpointing (recompute_configs).",
+                             no_effect=RecomputeConfig.no_effect)
+    localsgd: bool = option(False, "Local SGD (localsgd_configs).")
+    dgc: bool = option(False, "Deep gradient compression (dgc_configs).")
+    gradient_merge: bool = option(False, "Gradient accumulation (gradient_merge_configs).")
+    lars: bool = option(False, "LARS optimizer (lars_configs).")
+    lamb: bool = option(False, "LAMB optimizer (lamb_configs).")
+    pipeline: bool = option(False, "Pipeline parallelism (pipeline_configs).",
+                            no_effect=PipelineConfig.no_effect)
+    elastic: bool = option(False, "Elastic training (Paddle 2.2 does not act on it either).",
+                           no_effect="elastic jobs come from fleetrun --nnodes MIN:MAX")
+    auto: bool = option(False, "Paddle: let Fleet choose strategies when no other switch is set.",
+                        no_effect="fleetx has no automatic strategy search")
+    a_sync: bool = option(True, "Parameter server: async (True) or sync (False); assigning it "
+                          "resets a_sync_configs['k_steps'] to 0 (a_sync_configs).")
+    sync_nccl_allreduce: bool = option(True, "Wait for each all-reduce before computing on.",
+                                       no_effect="DDP always synchronises its gradient buckets")
+    nccl_comm_num: int = option(1, "Communicators (streams) used for gradient all-reduce.", ge=1)
+    use_hierarchical_allreduce: bool = option(
+        False, "All-reduce inside each node first, then across nodes.")
+    hierarchical_allreduce_inter_nranks: int = option(
+        1, "Ranks per node for hierarchical all-reduce.", ge=1)
+    sync_batch_norm: bool = option(False, "Batch-norm statistics over all workers.")
+    fuse_all_reduce_ops: bool = option(True, "Fuse gradient all-reduces into buckets.")
+    fuse_grad_size_in_MB: int = option(32, "Bucket size in MB of fused all-reduce.", gt=0)
+    fuse_grad_size_in_TFLOPS: float = option(
+        50.0, "Layers per fused all-reduce (Paddle attribute _fuse_grad_size_in_TFLOPS).", gt=0,
+        no_effect="buckets are sized in MB (fuse_grad_size_in_MB)")
+    cudnn_exhaustive_search: bool = option(
+        False, "Benchmark convolution algorithms.",
+        no_effect="set torch.backends.cudnn.benchmark in the script")
+    conv_workspace_size_limit: int = option(512, "cuDNN workspace limit in MB.", gt=0,
+                                            no_effect="no cuDNN workspace knob in PyTorch")
+    cudnn_batchnorm_spatial_persistent: bool = option(
+        False, "Use cuDNN's persistent spatial batch-norm mode.",
+        no_effect="no such cuDNN switch in PyTorch")
+    adaptive_localsgd: bool = option(False, "Adaptive local SGD (adaptive_localsgd_configs).")
+    fp16_allreduce: bool = option(False, "Cast gradients to float16 for all-reduce.")
+    sharding: bool = option(False, "ZeRO-style sharding (sharding_configs).",
+                            no_effect=ShardingConfig.no_effect)
+    last_comm_group_size_MB: float = option(
+        1.0, "Size in MB of the last gradient bucket (filled first in backward).", gt=0,
+        no_effect="DDP sizes its first bucket itself")
+    find_unused_parameters: bool = option(
+        False, "Data parallel: look for parameters that got no gradient.")
+    tensor_parallel: bool = option(False, "Tensor parallelism (tensor_parallel_configs).",
+                                   no_effect=TensorParallelConfig.no_effect)
+    without_graph_optimization: bool = option(
+        False, "Insert all-reduces directly instead of through the graph executor.",
+        no_effect="no static graph")
+    fuse_grad_size_in_num: int = option(
+        8, "Gradients per fused all-reduce without graph optimization.", ge=1,
+        no_effect="buckets are sized in MB (fuse_grad_size_in_MB)")
+    calc_comm_same_stream: bool = option(
+        False, "Compute and communicate on one stream (Paddle attribute _calc_comm_same_stream).",
+        no_effect="DDP chooses its streams")
+    asp: bool = option(False, "2:4 structured sparsity.", no_effect="not implemented")
+    fuse_grad_merge: bool = option(
+        False, "Fuse the gradient-merge buffers.",
+        no_effect="gradient merge accumulates in the parameters' .grad")
+    semi_auto: bool = option(False, "Semi-automatic parallelism (experimental).",
+                             no_effect="no auto-parallel planner")
+
+
+# The message fields in protobuf field-number order: *_configs 101-114, build_strategy 201,
+# execution_strategy 202, gradient_scale_configs 203. Prototxt output follows this order.
+MESSAGES: dict[str, type[Config]] = {cls.section: cls for cls in (
+    RecomputeConfig, AmpConfig, LocalSGDConfig, GradientMergeConfig, DGCConfig, PipelineConfig,
+    AsyncConfig, LarsConfig, LambConfig, AdaptiveLocalSGDConfig, ShardingConfig, HybridConfig,
+    TensorParallelConfig, TrainerDescConfig, BuildStrategy, ExecutionStrategy,
+    GradientScaleConfig)}
+BAGS = ("build_strategy", "execution_strategy")
+FIELDS = tuple(TopLevelConfig.specs()) + tuple(MESSAGES)
+# Paddle's attribute spellings of two proto fields: accepted silently.
+SPELLINGS = {"_fuse_grad_size_in_TFLOPS": "fuse_grad_size_in_TFLOPS",
+             "_calc_comm_same_stream": "calc_comm_same_stream"}
+# Older names from earlier releases and their docs: accepted with a DeprecationWarning.
+ALIASES = {"fp16_compress": "fp16_allreduce"}
+
+
+def resolve_name(name: str) -> str:
+    """The field that attribute ``name`` means: itself, or the field of a Paddle spelling or an
+    old name (the latter with a DeprecationWarning).
+
+    Raises:
+        TypeError: ``name`` is no field (the message lists the fields).
+    """
+    if name in FIELDS:
+        return name
+    if name in SPELLINGS:
+        return SPELLINGS[name]
+    if name in ALIASES:
+        warn_old_name(f"strategy.{name} is an old name; use strategy.{ALIASES[name]}")
+        return ALIASES[name]
+    raise TypeError(unknown_name("DistributedStrategy attribute", name, FIELDS))
