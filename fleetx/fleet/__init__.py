@@ -5,8 +5,10 @@ object: ``init`` reads the role, joins the world and plans the strategies;
 ``distributed_model`` / ``distributed_optimizer`` wrap the user's module and optimizer
 (``model.py``, ``optimizer.py``); ``util`` (``util.py``) serves host-side collectives; the PS
 entry points (``init_worker``, ``init_server``, ``run_server``, ``stop_worker``) hand over to
-the runtime the plan chose. The module-level functions are bound methods of one default
-:class:`Fleet`; build your own ``Fleet()`` for tests or for several jobs in one process.
+the runtime the plan chose. Those forwarding calls, the role queries and Paddle's optimizer
+calls on the fleet live in ``delegation.py``; the errors in ``api.py``. The module-level
+functions are bound methods of one default :class:`Fleet`; build your own ``Fleet()`` for tests
+or for several jobs in one process.
 
 What it may import: torch, :mod:`fleetx.env`, :mod:`fleetx.role_maker`, :mod:`fleetx.strategy`
 (its contract, the ``DistributedStrategy`` surface and the planner), :mod:`fleetx.comm` (the
@@ -33,7 +35,8 @@ Example:
 import sys
 import types
 
-from fleetx.fleet.fleet import Fleet, FleetError, RuntimeHandlerError
+from fleetx.fleet.api import FleetError, RuntimeHandlerError
+from fleetx.fleet.fleet import Fleet
 from fleetx.role_maker import (PaddleCloudRoleMaker, Role, RoleMakerBase,
                                      UserDefinedRoleMaker)
 from fleetx.fleet.util import UtilBase

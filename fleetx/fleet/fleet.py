@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import copy
-import logging
 import sys
 import warnings
 from typing import Any, Optional
@@ -19,6 +18,8 @@ import torch
 from fleetx import env
 from fleetx.comm.groups import ProcessGroups, pick_backend
 from fleetx.fleet import applied
+from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerError: re-exported
+from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
@@ -29,19 +30,7 @@ from fleetx.strategy.planner import plan_for
 
 __all__ = ["Fleet", "FleetError", "RuntimeHandlerError"]
 
-_log = logging.getLogger("fleetx")
-
-
-class FleetError(RuntimeError):
-    """The fleet API was used out of order (e.g. before ``fleet.init``)."""
-
-
-class RuntimeHandlerError(FleetError, ValueError):
-    """``init_worker`` and the other runtime calls before a runtime exists. A ``ValueError`` as
-    in Paddle ("Fleet can not find suitable runtime handler"), and a :class:`FleetError`."""
-
-
-class Fleet:
+class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls):
     """One process's view of a distributed job.
 
     Example:
@@ -169,65 +158,6 @@ class Fleet:
             self._comm = None
 
     # -- role queries --------------------------------------------------------------------------
-    def is_first_worker(self) -> bool:
-        """True on worker 0."""
-        return self._rm("is_first_worker")._is_first_worker()
-
-    def worker_index(self) -> int:
-        """This worker's index (on a server: the server's index, as in Paddle)."""
-        return self._rm("worker_index")._worker_index()
-
-    def worker_num(self) -> int:
-        """Number of workers."""
-        return self._rm("worker_num")._worker_num()
-
-    def node_num(self) -> int:
-        """Number of distinct hosts among the workers."""
-        return self._rm("node_num")._node_num()
-
-    def local_rank(self) -> int:
-        """This process's rank on its node."""
-        return self._rm("local_rank")._get_local_rank()
-
-    def local_device_ids(self) -> Optional[str]:
-        """This process's device ids as the launcher wrote them (``PADDLE_LOCAL_DEVICE_IDS``)."""
-        return self._rm("local_device_ids")._get_local_device_ids()
-
-    def world_device_ids(self) -> Optional[str]:
-        """Every process's device ids (``PADDLE_WORLD_DEVICE_IDS``)."""
-        return self._rm("world_device_ids")._get_world_device_ids()
-
-    def is_worker(self) -> bool:
-        """True on a worker (trainer) process."""
-        return self._rm("is_worker")._is_worker()
-
-    def is_server(self) -> bool:
-        """True on a parameter-server process."""
-        return self._rm("is_server")._is_server()
-
-    def server_num(self) -> int:
-        """Number of parameter servers (0 in a collective job)."""
-        return self._rm("server_num")._server_num()
-
-    def server_index(self) -> int:
-        """This server's index."""
-        return self._rm("server_index")._server_index()
-
-    def worker_endpoints(self, to_string: bool = False) -> Any:
-        """Every worker's ``ip:port`` (one comma-joined string with ``to_string=True``)."""
-        eps = self._rm("worker_endpoints")._get_trainer_endpoints()
-        return ",".join(eps) if to_string else eps
-
-    def server_endpoints(self, to_string: bool = False) -> Any:
-        """Every server's ``ip:port`` (one comma-joined string with ``to_string=True``)."""
-        eps = self._rm("server_endpoints")._get_pserver_endpoints()
-        return ",".join(eps) if to_string else eps
-
-    rank = worker_index
-    nranks = worker_num
-    world_size = worker_num
-    rank_in_node = local_rank
-
     def barrier_worker(self) -> None:
         """Wait for every worker (a missing one is named after ``FLEETX_TIMEOUT`` seconds)."""
         self._rm("barrier_worker")
@@ -369,105 +299,3 @@ class Fleet:
         plan = self._applied_plan("_get_applied_graph_list")
         return [] if plan is None else applied.graph_list(plan)
 
-    # -- optimizer delegation (Paddle's dygraph API) -------------------------------------------
-    def _opt(self, what: str) -> DistributedOptimizer:
-        if self._dist_optimizer is None:
-            raise FleetError(f"call fleet.distributed_optimizer(...) before fleet.{what}()")
-        return self._dist_optimizer
-
-    def get_lr(self) -> float:
-        """The learning rate of the optimizer wrapper's first parameter group."""
-        return self._opt("get_lr").get_lr()
-
-    def set_lr(self, value: float) -> None:
-        """Set the learning rate of every parameter group (servers follow in PS mode)."""
-        self._opt("set_lr").set_lr(value)
-
-    def step(self) -> bool:
-        """One optimizer step through the plan's strategies; True when the parameters were
-        updated (False on a gradient-merge micro-step or a skipped AMP step)."""
-        return self._opt("step").step()
-
-    def clear_grad(self) -> None:
-        """Clear the gradients (``zero_grad``)."""
-        self._opt("clear_grad").zero_grad()
-
-    def minimize(self, loss: torch.Tensor) -> bool:
-        """Backward, step and zero_grad in one call; True when the parameters were updated."""
-        return self._opt("minimize").minimize(loss)
-
-    def state_dict(self) -> dict:
-        """The optimizer wrapper's state dict."""
-        return self._opt("state_dict").state_dict()
-
-    def set_state_dict(self, state_dict: dict) -> None:
-        """Load an optimizer state dict."""
-        self._opt("set_state_dict").load_state_dict(state_dict)
-
-    # -- runtime (parameter server) ------------------------------------------------------------
-    def _runtime(self, what: str) -> Any:
-        """The parameter-server runtime, or None in collective mode (after checking, as Paddle
-        does, that there is a runtime to speak of).
-
-        Raises:
-            RuntimeHandlerError: no optimizer was built yet (collective or parameter server),
-                or the parameter-server plan installed no runtime.
-        """
-        rm = self._rm(what)
-        if rm.is_collective:
-            if rm._is_non_distributed():
-                warnings.warn(f"{what}() function doesn't work when use non_distributed fleet.",
-                              stacklevel=3)
-                return None
-            if self._dist_optimizer is None:
-                raise RuntimeHandlerError(
-                    f"Fleet can not find suitable runtime handler for {what}(): call "
-                    f"fleet.distributed_optimizer(...) first")
-            return None
-        runtime = getattr(self._ctx, "runtime", None) if self._ctx is not None else None
-        if runtime is None:
-            raise RuntimeHandlerError(
-                f"Fleet can not find suitable runtime handler for {what}(): call "
-                f"fleet.distributed_optimizer(...) first, in a parameter-server job whose plan "
-                f"includes the parameter server")
-        return runtime
-
-    def _collective_note(self, what: str) -> None:
-        # Paddle's collective runtime logs this and does nothing; the log goes to stderr.
-        if not self._role_maker._is_non_distributed():
-            _log.warning("You should not call '%s' method for collective mode.", what)
-
-    def init_worker(self) -> None:
-        """Parameter server: connect this worker to the servers."""
-        runtime = self._runtime("init_worker")
-        if runtime is None:
-            return self._collective_note("init_worker")
-        runtime.init_worker()
-
-    def init_server(self, *args: Any, **kwargs: Any) -> None:
-        """Parameter server: build this server's tables (``dirname``: load them)."""
-        runtime = self._runtime("init_server")
-        if runtime is None:
-            return self._collective_note("init_server")
-        runtime.init_server(*args, **kwargs)
-
-    def run_server(self) -> None:
-        """Parameter server: serve until every worker has stopped."""
-        runtime = self._runtime("run_server")
-        if runtime is None:
-            return self._collective_note("run_server")
-        runtime.run_server()
-
-    def stop_worker(self) -> None:
-        """Parameter server: flush and disconnect this worker."""
-        runtime = self._runtime("stop_worker")
-        if runtime is None:
-            return self._collective_note("stop_worker")
-        runtime.stop_worker()
-
-    def save_persistables(self, dirname: str, *args: Any, **kwargs: Any) -> None:
-        """Parameter server: save dense parameters and sparse tables to ``dirname``."""
-        runtime = self._runtime("save_persistables")
-        if runtime is None:
-            return self._collective_note("save_persistables")
-        runtime.save_persistables(dirname, *args, **kwargs)
