@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "fashion_mnist"))
@@ -159,12 +159,6 @@ def _entry(rank: int, world: int, port: int, part: str, args, out: str) -> None:
     (_speed if part == "speed" else _accuracy)(rank, world, args, out)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def quartiles(values: list) -> tuple:
     if len(values) < 2:
         return values[0], values[0], values[0]
@@ -228,7 +222,7 @@ def main() -> None:
                         help="accuracy: use only this many training images (0: all)")
     parser.add_argument("--out", default="/tmp/fleetx_collective_comm.json")
     args = parser.parse_args()
-    mp.start_processes(_entry, args=(args.nproc, _free_port(), args.part, args, args.out),
+    mp.start_processes(_entry, args=(args.nproc, free_port(), args.part, args, args.out),
                        nprocs=args.nproc, start_method="spawn")
     with open(args.out) as f:
         data = json.load(f)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 
@@ -31,6 +30,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from ports import free_port
 
 # model -> (layer widths, batch per rank, steps per window, warm-up steps)
 MODELS = {
@@ -118,12 +118,6 @@ def _run(rank: int, world: int, port: int, model_name: str, pairs: int, out: str
     dist.barrier()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def quartiles(values: list) -> tuple:
     q = statistics.quantiles(values, n=4, method="inclusive")
     return q[0], statistics.median(values), q[2]
@@ -140,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pairs < 20 and not args.smoke:
         parser.error("--pairs must be >= 20 for a reportable figure (add --smoke for a quick run)")
-    mp.start_processes(_run, args=(2, _free_port(), args.model, args.pairs, args.out,
+    mp.start_processes(_run, args=(2, free_port(), args.model, args.pairs, args.out,
                                    args.control), nprocs=2, start_method="spawn")
     with open(args.out) as f:
         data = json.load(f)

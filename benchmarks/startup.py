@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 import anchors
+from ports import free_port
 
 HERE = Path(__file__).resolve()
 # Both launchers get the same environment: gloo on loopback (the host name need not resolve).
@@ -51,12 +51,6 @@ def worker(ready_file: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _console_script(name: str) -> str:
     """The entry script next to this interpreter (no version-manager shim in front of it)."""
     beside = Path(sys.executable).with_name(name)
@@ -69,7 +63,7 @@ def launcher_cmd(name: str, ready_file: Path, workdir: Path) -> list[str]:
         return [_console_script("fleetrun"), "--nproc_per_node", "2",
                 "--log_dir", str(workdir / "log"), *script]
     return [_console_script("torchrun"), "--nproc_per_node", "2", "--master_addr",
-            "127.0.0.1", "--master_port", str(_free_port()), *script]
+            "127.0.0.1", "--master_port", str(free_port()), *script]
 
 
 def run_once(name: str, args: argparse.Namespace, workdir: Path) -> dict:

@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DGC_FLAGS = {"dgc": True, "dgc_configs": {"rampup_begin_step": 0, "rampup_step": 1,
@@ -201,17 +202,11 @@ def _rank(rank: int, world: int, ports: tuple, args, out: str) -> None:
     dist.barrier()  # not the store's: its server (rank 0) must outlive every rank's last wait
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def count(world: int, args) -> dict:
     """Spawn ``world`` ranks; per case: every rank's bytes sent and received per step, and the
     formula's bytes sent."""
     with tempfile.TemporaryDirectory(prefix="fleetx_wire_") as out:
-        mp.start_processes(_rank, args=(world, (_free_port(), _free_port()), args, out),
+        mp.start_processes(_rank, args=(world, (free_port(), free_port()), args, out),
                            nprocs=world, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     model = make_model(args.model)[0]

@@ -57,7 +57,7 @@ def _raw_rank(rank: int, world: int, ports: tuple, out: str) -> None:
 
 def test_socket_count_matches_ring_formulas_for_raw_collectives():
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_raw_rank, args=(WORLD, (wb._free_port(), wb._free_port()), out),
+        mp.start_processes(_raw_rank, args=(WORLD, (wb.free_port(), wb.free_port()), out),
                            nprocs=WORLD, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)]
     nbytes = 4 * ELEMENTS
