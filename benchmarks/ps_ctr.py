@@ -45,8 +45,9 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+if __name__ == "__main__":  # one thread per process, before torch starts; not on import (tests)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 
 import torch  # noqa: E402
 

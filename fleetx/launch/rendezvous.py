@@ -293,7 +293,11 @@ class ElasticRendezvous(DynamicRendezvousHandler):
             state = self._state_holder.state
             if state.complete:
                 continue
-            joined = self._seen = len(state.participants)  # the timeout removes this node
+            joined = len(state.participants)
+            # At the join timeout torch removes this node from the round before the error
+            # reaches us: a count without it would report one node fewer than joined.
+            if self._this_node in state.participants or not self._seen:
+                self._seen = joined
             if joined < low or state.deadline is None:
                 clock.report(f"waiting for node(s) to join the rendezvous at {self._where}: "
                              f"{joined} of at least {low} joined")

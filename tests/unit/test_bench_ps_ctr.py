@@ -56,3 +56,18 @@ def test_summary_prints_both_ratios_kept_and_all_runs(capsys):
     # no Paddle run kept: the kept ratio is '-', the all-runs one is still shown
     assert "async, fleetx / Paddle, fleetx's table on SGD, Paddle's on Adam: async_1x2 - " \
            "(all runs 4.00)" in out
+
+
+def test_importing_the_benchmarks_leaves_the_environment_alone():
+    # Run as scripts they pin one thread per process; imported (by these tests, at collection)
+    # they must not, or every fleetrun test after them inherits OMP_NUM_THREADS.
+    import os
+    import subprocess
+    code = ("import os, sys; sys.path.insert(0, 'benchmarks'); "
+            "[os.environ.pop(v, None) for v in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS')]; "
+            "import ps_ctr, ps_table; print(os.environ.get('OMP_NUM_THREADS'))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env={k: v for k, v in os.environ.items()
+                                           if k != "OMP_NUM_THREADS"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "None"
