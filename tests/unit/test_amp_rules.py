@@ -257,7 +257,8 @@ def test_amp_composes_with_lars_and_lamb(monkeypatch, switch, make_opt, inner):
     s.amp = True
     s.amp_configs = {"init_loss_scaling": 128.0, "decr_every_n_nan_or_inf": 1}
     setattr(s, switch, True)
-    s.lars_configs = {"lars_coeff": 0.02}
+    if switch == "lars":
+        s.lars_configs = {"lars_coeff": 0.02}
     f = Fleet()
     f.init(is_collective=True, strategy=s)
     model = f.distributed_model(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)))
