@@ -101,6 +101,7 @@ class _FleetModule(types.ModuleType):
 sys.modules[__name__].__class__ = _FleetModule
 
 from fleetx import metrics  # noqa: E402  (fleet.metrics, as in Paddle)
+from fleetx.fleet import utils  # noqa: E402  (fleet.utils, Paddle's module; fleet.util above)
 from fleetx.metrics.api import set_default_util  # noqa: E402
 
 # metrics called with util=None use fleet.util, read at each call (users may replace it); the
@@ -108,7 +109,7 @@ from fleetx.metrics.api import set_default_util  # noqa: E402
 set_default_util(lambda: sys.modules[__name__].util)
 
 __all__ = [
-    "metrics", "Fleet", "FleetError", "RuntimeHandlerError", "DistributedStrategy", "Role", "RoleMakerBase", "PaddleCloudRoleMaker",
+    "metrics", "utils", "Fleet", "FleetError", "RuntimeHandlerError", "DistributedStrategy", "Role", "RoleMakerBase", "PaddleCloudRoleMaker",
     "UserDefinedRoleMaker", "UtilBase", "util", "init", "is_first_worker", "worker_index",
     "worker_num", "node_num", "local_rank", "local_device", "local_device_ids",
     "world_device_ids", "is_worker", "is_server", "server_num", "server_index",

@@ -72,6 +72,7 @@ class ModelInfo:
     param_names: tuple[str, ...] = ()
     param_numels: tuple[int, ...] = ()
     sparse_modules: tuple[str, ...] = ()  # qualified names of sparse embeddings
+    module_names: tuple[str, ...] = ()  # qualified names of every sub-module (named_modules)
 
     @property
     def numel(self) -> int:
@@ -81,14 +82,15 @@ class ModelInfo:
     def of(cls, model: Any) -> "ModelInfo":
         if model is None:
             return cls()
-        names, numels, sparse = [], [], []
+        names, numels, sparse, modules = [], [], [], []
         for name, p in model.named_parameters():
             names.append(name)
             numels.append(p.numel())
         for name, m in model.named_modules():
+            modules.append(name)
             if getattr(m, "sparse", False) is True:
                 sparse.append(name)
-        return cls(tuple(names), tuple(numels), tuple(sparse))
+        return cls(tuple(names), tuple(numels), tuple(sparse), tuple(modules))
 
 
 @dataclass(frozen=True)

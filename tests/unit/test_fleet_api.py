@@ -246,7 +246,7 @@ def test_final_strategy_and_applied_meta_list_reflect_the_plan(fleet):
     s.amp = True
     s.gradient_merge = True
     s.gradient_merge_configs = {"k_steps": 2}
-    s.recompute = True  # accepted, nothing in fleetx applies it
+    s.recompute = True  # skipped with a warning: recompute_configs names no module
     s.fp16_allreduce = True  # skipped on one process: nothing to all-reduce
     f = Fleet()
     f.init(is_collective=True, strategy=s)

@@ -35,6 +35,8 @@ SCENARIOS = [
           dgc_configs={"rampup_begin_step": 0}), WorldInfo(world_size=2), "sgd", True),
     (dict(localsgd=True, localsgd_configs={"k_steps": 2}), WorldInfo(world_size=2), "sgd", True),
     (dict(adaptive_localsgd=True), WorldInfo(world_size=2), "sgd", True),
+    (dict(recompute=True, recompute_configs={"checkpoints": ["0", "2"]}),
+     WorldInfo(world_size=2), "sgd", True),
     # The hierarchy needs several nodes: applied only (its reads happen in apply).
     (dict(use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2,
           sync_batch_norm=True, execution_strategy={"num_threads": 2}),
@@ -168,8 +170,8 @@ def test_the_recorder_sees_reads_through_copies_only_when_read():
                                                     "always wait for the servers"),
     ({"a_sync_configs": {"lr_decay_steps": 100}}, "a_sync_configs.lr_decay_steps (use an LR "
                                                   "scheduler"),
-    ({"recompute": True, "recompute_configs": {"checkpoints": ["0"]}},
-     "recompute, recompute_configs.checkpoints (recompute is not implemented yet)"),
+    ({"recompute": True, "recompute_configs": {"checkpoints": ["0"], "enable_offload": True}},
+     "recompute_configs.enable_offload (offload is not implemented: on CPU the kept inputs"),
     ({"sharding": True}, "sharding (sharding is not implemented yet)"),
     ({"pipeline": True}, "pipeline (pipeline parallelism is not implemented yet)"),
     ({"tensor_parallel": True}, "tensor_parallel (tensor parallelism is not implemented yet)"),
