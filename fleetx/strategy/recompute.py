@@ -111,7 +111,7 @@ def unknown_modules(known: Sequence[str], names: Sequence[str]) -> str:
 
     Example:
         >>> unknown_modules(["0", "1"], ["3"])
-        "recompute_configs['checkpoints'] names no module '3' (closest: none); modules of the model (model.named_modules()): 0, 1"
+        "recompute_configs['checkpoints'] names no module '3' (closest: none); modules of ..."
     """
     known = [name for name in known if name]
     missing = [name for name in names if name not in set(known)]
