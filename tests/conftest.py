@@ -19,3 +19,11 @@ def pytest_runtest_makereport(item, call):
             report.outcome = "failed"
             report.longrepr = f"skipped under CI=true, which allows skips for absent hardware " \
                               f"only: {reason}"
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """A test that builds a fleet in this process: no launcher variable makes it distributed."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PADDLE_TRAINER_ENDPOINTS",
+                 "PADDLE_TRAINER_ID", "FLEETX_DRY_RUN"):
+        monkeypatch.delenv(name, raising=False)

@@ -17,11 +17,7 @@ from fleetx.strategy.api import StrategyError
 STEPS = 4
 
 
-@pytest.fixture(autouse=True)
-def one_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PADDLE_TRAINER_ENDPOINTS",
-                 "PADDLE_TRAINER_ID", "FLEETX_DRY_RUN"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("one_process")  # tests/conftest.py
 
 
 class Net(nn.Module):

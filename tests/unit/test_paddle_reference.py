@@ -36,11 +36,7 @@ STEPS = 5
 TOL = dict(rtol=1e-9, atol=1e-12)
 
 
-@pytest.fixture(autouse=True)
-def one_process(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PADDLE_TRAINER_ENDPOINTS",
-                 "PADDLE_TRAINER_ID", "FLEETX_DRY_RUN"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("one_process")  # tests/conftest.py
 
 
 class Net(nn.Module):
@@ -82,6 +78,17 @@ def run_fleet(switches: dict, make_opt, script) -> list[dict[str, np.ndarray]]:
         loss = sum((p * torch.from_numpy(grads[n])).sum() for n, p in net.named_parameters())
         opt.minimize(loss)
         history.append({n: p.detach().numpy().copy() for n, p in net.named_parameters()})
+    return history
+
+
+def step_alone(opt, params: dict, script: list) -> list:
+    """The optimizer on its own (no fleet): the weights before and after each scripted step."""
+    history = [{n: p.detach().numpy().copy() for n, p in params.items()}]
+    for grads in script:
+        for n, p in params.items():
+            p.grad = torch.from_numpy(grads[n])
+        opt.step()
+        history.append({n: p.detach().numpy().copy() for n, p in params.items()})
     return history
 
 
@@ -133,13 +140,7 @@ def test_lars_optimizer_on_its_own_matches_paddles_kernel():
          {"params": [params["fc.bias"], params["head.bias"]], "lars_weight_decay": 0.0}],
         lr=LR, momentum=MU, lars_coeff=COEFF, lars_weight_decay=WD, epsilon=EPS)
     w0 = {n: p.detach().numpy().copy() for n, p in params.items()}
-    history = [w0]
-    for grads in script:
-        for n, p in params.items():
-            p.grad = torch.from_numpy(grads[n])
-        opt.step()
-        history.append({n: p.detach().numpy().copy() for n, p in params.items()})
-    assert_history(history, lars_paddle(w0, script, ["bias"]))
+    assert_history(step_alone(opt, params, script), lars_paddle(w0, script, ["bias"]))
 
 
 # -- LAMB ------------------------------------------------------------------------------------------
@@ -204,13 +205,7 @@ def test_lamb_optimizer_on_its_own_matches_paddles_kernel():
     opt = Lamb([{"params": [params["fc.weight"], params["head.weight"]]},
                 {"params": [params["fc.bias"], params["head.bias"]], "lamb_weight_decay": 0.0}],
                lr=LAMB_LR, betas=(B1, B2), eps=ADAM_EPS, lamb_weight_decay=LAMB_WD)
-    history = [w0]
-    for grads in script:
-        for n, p in params.items():
-            p.grad = torch.from_numpy(grads[n])
-        opt.step()
-        history.append({n: p.detach().numpy().copy() for n, p in params.items()})
-    assert_history(history, lamb_paddle(w0, script, [".bias"]))
+    assert_history(step_alone(opt, params, script), lamb_paddle(w0, script, [".bias"]))
 
 
 # -- dynamic loss scaling --------------------------------------------------------------------------
