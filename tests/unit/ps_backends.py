@@ -20,6 +20,15 @@ def _c_param():
 KERNEL_BACKENDS = [pytest.param("numpy", id="numpy-fallback"), _c_param()]
 
 
+@pytest.fixture(params=KERNEL_BACKENDS)
+def backend(request):
+    """The test runs once per backend; the active one is restored after it."""
+    before = kernels.backend()
+    kernels.set_backend(request.param)
+    yield request.param
+    kernels.set_backend(before)
+
+
 def require_c_kernels():
     """Skip (fail under CI=true) the calling test when the C kernels are not built."""
     if C_MISSING:

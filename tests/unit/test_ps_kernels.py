@@ -18,15 +18,7 @@ import pytest
 from fleetx.ps import kernels
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ps_backends import KERNEL_BACKENDS, require_c_kernels  # noqa: E402
-
-
-@pytest.fixture(params=KERNEL_BACKENDS)
-def backend(request):
-    before = kernels.backend()
-    kernels.set_backend(request.param)
-    yield request.param
-    kernels.set_backend(before)
+from ps_backends import backend, require_c_kernels  # noqa: E402,F401 (backend: a fixture)
 
 
 def run_python(code: str, timeout: float = 60):

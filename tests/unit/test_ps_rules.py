@@ -12,7 +12,7 @@ from fleetx.ps.rules import make_rule
 from fleetx.ps.table import DenseTable, SparseTable
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ps_backends import KERNEL_BACKENDS as BACKENDS, require_c_kernels  # noqa: E402
+from ps_backends import backend, require_c_kernels  # noqa: E402,F401 (backend: a fixture)
 
 CASES = [
     (torch.optim.SGD, {"lr": 0.1}),
@@ -26,14 +26,6 @@ CASES = [
     (torch.optim.Adam, {"lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1}),
     (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
 ]
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    before = kernels.backend()
-    kernels.set_backend(request.param)
-    yield request.param
-    kernels.set_backend(before)
 
 
 def _torch_run(cls, kw, w0, grads):

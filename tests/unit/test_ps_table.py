@@ -13,15 +13,7 @@ from fleetx.ps.rules import make_rule
 from fleetx.ps.table import IdIndex, SparseTable
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ps_backends import KERNEL_BACKENDS as BACKENDS  # noqa: E402
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request):
-    before = kernels.backend()
-    kernels.set_backend(request.param)
-    yield request.param
-    kernels.set_backend(before)
+from ps_backends import backend  # noqa: E402,F401 (a fixture)
 
 
 def sgd_table(dim=4, init=InitConfig("uniform", seed=7), num_embeddings=None, capacity=16):
