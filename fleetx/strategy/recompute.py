@@ -114,7 +114,8 @@ def unknown_modules(known: Sequence[str], names: Sequence[str]) -> str:
         "recompute_configs['checkpoints'] names no module '3' (closest: none); modules of ..."
     """
     known = [name for name in known if name]
-    missing = [name for name in names if name not in set(known)]
+    present = set(known)
+    missing = [name for name in names if name not in present]
     if not missing:
         return ""
     parts = []
