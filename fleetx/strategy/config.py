@@ -194,6 +194,8 @@ class Config:
             names the field in error messages (``amp_configs['decr_ratio']``).
         aliases: older key names accepted for a field (``{"micro_batch": "accumulate_steps"}``);
             using one warns with a ``DeprecationWarning``.
+        synonyms: other current names of a field (``{"offload": "optimize_offload"}``), accepted
+            without a warning; files and ``to_dict()`` use the field's name.
         no_effect: why no key of this config has an effect in fleetx (None: each key says for
             itself with ``option(..., no_effect=...)``).
 
@@ -202,6 +204,7 @@ class Config:
 
     section: ClassVar[str] = ""
     aliases: ClassVar[Mapping[str, str]] = {}
+    synonyms: ClassVar[Mapping[str, str]] = {}
     no_effect: ClassVar[Optional[str]] = None
 
     # -- the declared fields --------------------------------------------------------------------
@@ -239,13 +242,15 @@ class Config:
 
     @classmethod
     def canonical(cls, key: str) -> str:
-        """The declared name for ``key`` (itself, or the field an alias stands for).
+        """The declared name for ``key`` (itself, or the field an alias or synonym stands for).
 
         Raises:
             ValueError: ``key`` is neither a field nor an alias (the message lists the fields).
         """
         if key in cls.specs():
             return key
+        if key in cls.synonyms:
+            return cls.synonyms[key]
         if key in cls.aliases:
             warn_old_name(f"{cls.label(key)} is an old name; use {cls.label(cls.aliases[key])}")
             return cls.aliases[key]
@@ -384,4 +389,6 @@ def markdown_table(cls: type[Config], title: str = "key") -> str:
                     f"| {meaning} |")
     for old, new in cls.aliases.items():
         rows.append(f"| `{old}` | alias | | | old name of `{new}` |")
+    for other, name in cls.synonyms.items():
+        rows.append(f"| `{other}` | synonym | | | another name of `{name}` |")
     return "\n".join(rows) + "\n"

@@ -1,9 +1,11 @@
-"""Hybrid parallelism (``strategy.hybrid_configs``): a config only.
+"""Hybrid parallelism (``strategy.hybrid_configs``): the degrees of the process grid.
 
-**No effect yet.** ``hybrid_configs`` is accepted and checked, so Paddle scripts and saved
-strategies load, but nothing in fleetx acts on it: every process is a data-parallel rank, and
-the plan names the keys when they are set. ``HybridConfig.no_effect`` is the one declaration to
-change when hybrid parallelism is implemented.
+``hybrid_configs`` is the source of truth for the degrees; the same degrees written in
+``sharding_configs`` or ``tensor_parallel_configs`` fill its keys when they are unset
+(:func:`fleetx.strategy.topology.resolve` holds the rule). ``dp_degree`` and
+``sharding_degree`` act with ``strategy.sharding`` (they share its ``no_effect`` declaration);
+``mp_degree`` and ``pp_degree`` have no effect: tensor and pipeline parallelism are not
+implemented yet, and with sharding on a value other than 1 is refused.
 
 What the settings mean in Paddle: the world is a grid of data x tensor(model) x pipeline x
 sharding ranks whose degrees multiply to the number of processes (``dp_degree=-1``: what is
@@ -12,6 +14,8 @@ left). There is no on/off switch: in Paddle 2.2's dynamic graph the degrees alon
 from dataclasses import dataclass
 
 from fleetx.strategy.config import Config, option
+# The degrees that sharding reads act exactly when sharding does: one declaration for both.
+from fleetx.strategy.sharding import ShardingConfig
 
 __all__ = ["HybridConfig"]
 
@@ -26,10 +30,17 @@ class HybridConfig(Config):
     """
 
     section = "hybrid_configs"
-    no_effect = "hybrid parallelism is not implemented yet"
 
-    dp_degree: int = option(-1, "Data parallel degree; -1 infers it from the world size.",
-                            ge=1, also=(-1,))
-    mp_degree: int = option(1, "Tensor (model) parallel degree.", ge=1)
-    pp_degree: int = option(1, "Pipeline parallel degree.", ge=1)
-    sharding_degree: int = option(1, "Sharding degree.", ge=1)
+    dp_degree: int = option(
+        -1, "Data parallel degree: sharding groups replicated; -1 infers it from the world size.",
+        ge=1, also=(-1,), no_effect=ShardingConfig.no_effect)
+    mp_degree: int = option(
+        1, "Tensor (model) parallel degree (refused with sharding on unless 1).", ge=1,
+        no_effect="tensor parallelism is not implemented yet")
+    pp_degree: int = option(
+        1, "Pipeline parallel degree (refused with sharding on unless 1).", ge=1,
+        no_effect="pipeline parallelism is not implemented yet")
+    sharding_degree: int = option(
+        1, "Ranks in one sharding group (needs strategy.sharding); fills from "
+        "sharding_configs['sharding_degree'] when unset.", ge=1,
+        no_effect=ShardingConfig.no_effect)

@@ -12,48 +12,155 @@ tensor and pipeline parallelism.
 """
 from dataclasses import dataclass
 
+from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
+                                 Verdict, register)
 from fleetx.strategy.config import Config, option
+from fleetx.strategy.dgc import DGCStrategy
+from fleetx.strategy.lamb import LambStrategy
+from fleetx.strategy.lars import LarsStrategy
+from fleetx.strategy.localsgd import LocalSGDStrategy
+from fleetx.strategy.recompute import RecomputeStrategy
+from fleetx.strategy.sharding_engine import (rebound_optimizer, shard_in_place, sharding_group,
+                                             zero_optimizer)
+from fleetx.strategy.topology import resolve
 
-__all__ = ["ShardingConfig"]
+__all__ = ["ShardingConfig", "ShardingStrategy"]
+
+# PyTorch's engines cut their own communication: ZeroRedundancyOptimizer broadcasts per
+# parameter bucket and FSDP2 gathers per fully_shard unit.
+_BUCKETS = "ZeroRedundancyOptimizer and FSDP2 choose their own communication buckets"
 
 
 @dataclass
 class ShardingConfig(Config):
-    """``strategy.sharding_configs``: group sizes, segmentation and offload.
+    """``strategy.sharding_configs``: the stage, the group sizes, segmentation and offload.
 
+    ``stage`` picks what is sharded (1: optimizer state, 2: also gradients, 3: also
+    parameters). The group sizes follow :func:`fleetx.strategy.topology.resolve`:
+    ``sharding_degree`` fills ``hybrid_configs['sharding_degree']`` when that is unset, and
+    with no degree set anywhere the sharding group is the whole data-parallel group (Paddle's
+    default of 8 is not used). The keys of Paddle's static-graph sharding pass (segments,
+    casts, pipeline all-reduce) have nothing to act on in PyTorch's engines and say so.
+
+    ``offload`` is another name of ``optimize_offload`` (the name of later Paddle releases).
     The 2.0 names ``fuse_broadcast_MB`` and ``sharding_group_size`` are accepted as aliases of
     ``segment_broadcast_MB`` and ``sharding_degree``.
 
     Example:
         >>> ShardingConfig(sharding_degree=2, hybrid_dp=True).dp_degree
         1
+        >>> ShardingConfig(stage=4)
+        Traceback (most recent call last):
+        ValueError: sharding_configs['stage'] must be one of 1, 2, 3, got 4
     """
 
     section = "sharding_configs"
     no_effect = "sharding is not implemented yet"
     aliases = {"fuse_broadcast_MB": "segment_broadcast_MB",
                "sharding_group_size": "sharding_degree"}
+    synonyms = {"offload": "optimize_offload"}
 
     sharding_segment_strategy: str = option(
         "segment_broadcast_MB", "How broadcasts are cut into segments.",
-        choices=("segment_broadcast_MB", "segment_anchors"))
+        choices=("segment_broadcast_MB", "segment_anchors"), no_effect=_BUCKETS)
     segment_broadcast_MB: float = option(
-        32.0, "Segment size in MB (segment_broadcast_MB strategy).", gt=0)
+        32.0, "Segment size in MB (segment_broadcast_MB strategy).", gt=0, no_effect=_BUCKETS)
     segment_anchors: list[str] = option(
-        [], "Tensor names that end a segment (segment_anchors strategy).")
-    sharding_degree: int = option(8, "Ranks in one sharding group.", ge=1)
-    mp_degree: int = option(1, "Tensor (model) parallel degree.", ge=1)
-    dp_degree: int = option(1, "Data parallel degree outside the sharding groups.", ge=1)
+        [], "Tensor names that end a segment (segment_anchors strategy).", no_effect=_BUCKETS)
+    sharding_degree: int = option(
+        8, "Ranks in one sharding group; fills hybrid_configs['sharding_degree'] when that is "
+        "unset; unset everywhere: the whole data-parallel group.", ge=1)
+    mp_degree: int = option(1, "Tensor (model) parallel degree (refused unless 1).", ge=1,
+                            no_effect="tensor parallelism is not implemented yet")
+    dp_degree: int = option(
+        1, "Data parallel degree over the sharding groups; fills hybrid_configs['dp_degree'] "
+        "when that is unset.", ge=1)
     hybrid_dp: bool = option(
-        False, "Add a data-parallel layer over several sharding groups.")
+        False, "Replicate sharding groups over data-parallel groups; when set, it must agree "
+        "with the data-parallel degree (True: > 1, False: 1).")
     gradient_merge_acc_step: int = option(
-        1, "Micro-steps accumulated per optimizer step inside sharding.", ge=1)
+        1, "Micro-steps accumulated per optimizer step inside sharding.", ge=1,
+        no_effect="use gradient_merge_configs['k_steps'], which works with sharding")
     optimize_offload: bool = option(
-        False, "Keep the optimizer state in host memory between steps.")
+        False, "Keep the optimizer state in host memory between steps (synonym: offload).",
+        no_effect="offload is not implemented: on CPU the state is in host memory already")
     pp_allreduce_in_optimize: bool = option(
-        False, "With pipelining, all-reduce gradients in the optimize phase.")
-    pp_degree: int = option(1, "Pipeline parallel degree.", ge=1)
+        False, "With pipelining, all-reduce gradients in the optimize phase.",
+        no_effect="pipeline parallelism is not implemented yet")
+    pp_degree: int = option(1, "Pipeline parallel degree (refused unless 1).", ge=1,
+                            no_effect="pipeline parallelism is not implemented yet")
     optimize_cast: bool = option(
-        False, "Keep float32 master parameters and cast to float16 in the optimize phase.")
+        False, "Keep float32 master parameters and cast to float16 in the optimize phase.",
+        no_effect="parameters stay float32 and amp casts per operation, so there is no cast "
+        "phase")
     _dp_as_optimizer_sharding: bool = option(
-        False, "Experimental: treat the data-parallel group as the sharding group.")
+        False, "Experimental: treat the data-parallel group as the sharding group.",
+        no_effect="with no sharding_degree set the sharding group already is the data-parallel "
+        "group")
+    stage: int = option(
+        1, "What is sharded: 1 optimizer state (ZeroRedundancyOptimizer), 2 also gradients, "
+        "3 also parameters (FSDP2 fully_shard).", choices=(1, 2, 3))
+
+
+_SHARDED = {1: "optimizer state", 2: "optimizer state and gradients",
+            3: "optimizer state, gradients and parameters"}
+
+
+@register
+class ShardingStrategy(Strategy):
+    """Shard training state over the sharding group: stage 1 with ``ZeroRedundancyOptimizer``
+    (under data parallel), stages 2 and 3 with FSDP2 ``fully_shard`` (instead of it)."""
+
+    name = "sharding"
+    # Rebuild the optimizer that LARS / LAMB chose; shard the modules recompute names (it
+    # resolves them on the plain model, whose names FSDP2 keeps).
+    runs_after = (LarsStrategy, LambStrategy, RecomputeStrategy)
+    # DGC and local SGD replace how gradients are synchronised, which sharding decides itself.
+    conflicts = (DGCStrategy, LocalSGDStrategy, AdaptiveLocalSGDStrategy)
+    shapes_model = True
+
+    def can_apply(self, plan_input: PlanInput) -> Verdict:
+        world = plan_input.world
+        if world.mode is not Mode.COLLECTIVE:
+            return Verdict.fail("runs in collective mode only")
+        try:
+            topo = resolve(self.strategy, world.world_size)
+        except StrategyError as err:
+            return Verdict.fail(str(err))
+        stage = self.strategy.typed_config("sharding").stage
+        if topo.sharding_degree == 1:
+            return Verdict.skip(f"sharding degree 1 on {world.world_size} process(es): nothing "
+                                f"to shard (stage {stage} asked)", warn=True)
+        engine = ("ZeroRedundancyOptimizer, model under DistributedDataParallel" if stage == 1
+                  else f"FSDP2 fully_shard(reshard_after_forward={stage == 3}) per sub-module "
+                       f"and the root, no DistributedDataParallel")
+        groups = (f"one sharding group of {topo.sharding_degree}" if topo.dp_degree == 1 else
+                  f"{topo.dp_degree} sharding groups of {topo.sharding_degree}, replicated "
+                  f"over data-parallel groups of {topo.dp_degree}")
+        return Verdict.ok(f"stage {stage}: {_SHARDED[stage]} sharded over "
+                          f"{topo.sharding_degree} ranks ({groups}); engine: {engine}")
+
+    def apply(self, ctx: TrainingContext) -> None:
+        topo = resolve(self.strategy, ctx.world.world_size)
+        stage = self.strategy.typed_config("sharding").stage
+        if stage == 1:
+            if ctx.optimizer is not None:
+                group = sharding_group(topo.sharding_groups(), ctx.world.rank)
+                ctx.optimizer = zero_optimizer(ctx.optimizer, group)
+            return
+        if ctx.model is None:
+            ctx.step_guards.append(_needs_model(stage))
+            return
+        record = shard_in_place(ctx.model, stage, topo.mesh_shape, ctx.world.device)
+        if ctx.optimizer is not None:
+            ctx.optimizer = rebound_optimizer(ctx.optimizer, ctx.model, record)
+
+
+def _needs_model(stage: int):
+    def guard() -> bool:
+        # Without the model nothing synchronises gradients (no DDP at stage >= 2): refuse
+        # rather than let the ranks drift apart.
+        raise StrategyError(f"sharding stage {stage} shards the model: pass it to "
+                            f"fleet.distributed_model(model) before training")
+    return guard

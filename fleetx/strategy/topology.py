@@ -134,13 +134,16 @@ def resolve(strategy: Any, world_size: int) -> Topology:
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    on = bool(strategy.sharding)
     for key, feature, others in _UNIMPLEMENTED:
-        degree = _agreed(_explicit(strategy, [("hybrid_configs", key), *others]))
+        # sharding_configs counts only with sharding on (off, the plan says it is ignored).
+        places = [("hybrid_configs", key)] + [p for p in others if on or p[0] != "sharding_configs"]
+        degree = _agreed(_explicit(strategy, places))
         if degree is not None and degree.value != 1:
             raise StrategyError(
                 f"{degree.source}={degree.value} asks for {feature}, which fleetx does not "
                 f"implement yet: set it to 1 or leave it unset")
-    if not strategy.sharding:
+    if not on:
         return _without_sharding(strategy, world_size)
     sharding = _agreed(_given(strategy, _SHARDING_PLACES))
     dp = _agreed(_given(strategy, _DP_PLACES, infer=-1))

@@ -176,7 +176,7 @@ def test_the_recorder_sees_reads_through_copies_only_when_read():
     ({"pipeline": True}, "pipeline (pipeline parallelism is not implemented yet)"),
     ({"tensor_parallel": True}, "tensor_parallel (tensor parallelism is not implemented yet)"),
     ({"hybrid_configs": {"mp_degree": 2}},
-     "hybrid_configs.mp_degree (hybrid parallelism is not implemented yet)"),
+     "hybrid_configs.mp_degree (tensor parallelism is not implemented yet)"),
     ({"auto": True}, "auto (fleetx has no automatic strategy search)"),
 ])
 def test_the_plan_names_settings_without_effect(fields, named):
