@@ -7,7 +7,8 @@ object: ``init`` reads the role, joins the world and plans the strategies;
 ``utils`` (``utils.py``, Paddle's module of that name) holds ``recompute``; the PS
 entry points (``init_worker``, ``init_server``, ``run_server``, ``stop_worker``) hand over to
 the runtime the plan chose. Those forwarding calls, the role queries and Paddle's optimizer
-calls on the fleet live in ``delegation.py``; the errors in ``api.py``. The module-level
+calls on the fleet live in ``delegation.py``; ``state_bytes`` (the training state this
+process holds) in ``memory.py``; the errors in ``api.py``. The module-level
 functions are bound methods of one default :class:`Fleet`; build your own ``Fleet()`` for tests
 or for several jobs in one process.
 
@@ -68,6 +69,7 @@ rank_in_node = _fleet.rank_in_node
 distributed_model = _fleet.distributed_model
 distributed_optimizer = _fleet.distributed_optimizer
 explain = _fleet.explain
+state_bytes = _fleet.state_bytes
 applied_strategies = _fleet.applied_strategies
 get_lr = _fleet.get_lr
 set_lr = _fleet.set_lr
@@ -115,7 +117,8 @@ __all__ = [
     "worker_num", "node_num", "local_rank", "local_device", "local_device_ids",
     "world_device_ids", "is_worker", "is_server", "server_num", "server_index",
     "worker_endpoints", "server_endpoints", "barrier_worker", "rank", "nranks", "world_size",
-    "rank_in_node", "distributed_model", "distributed_optimizer", "explain", "applied_strategies",
+    "rank_in_node", "distributed_model", "distributed_optimizer", "explain", "state_bytes",
+    "applied_strategies",
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
     "init_worker", "init_server", "run_server", "stop_worker", "save_persistables",
 ]

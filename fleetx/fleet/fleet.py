@@ -20,6 +20,7 @@ from fleetx.comm.groups import ProcessGroups, pick_backend
 from fleetx.fleet import applied
 from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerError: re-exported
 from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
+from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
@@ -30,7 +31,7 @@ from fleetx.strategy.planner import plan_for
 
 __all__ = ["Fleet", "FleetError", "RuntimeHandlerError"]
 
-class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls):
+class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries):
     """One process's view of a distributed job.
 
     Example:

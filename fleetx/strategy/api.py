@@ -164,6 +164,13 @@ class Strategy(abc.ABC):
     def apply(self, ctx: TrainingContext) -> None:
         """Install this strategy through the context's hook points."""
 
+    def footprint(self, plan_input: PlanInput, expected: Any) -> Any:
+        """Pure: the per-rank state bytes (a :class:`~fleetx.strategy.footprint.Footprint`)
+        once this strategy applies, given ``expected`` from the strategies before it. Most
+        strategies hold what plain training holds and return it unchanged; one that partitions
+        or adds state (sharding) says how."""
+        return expected
+
 
 _REGISTRY: dict[str, type[Strategy]] = {}
 

@@ -73,6 +73,8 @@ class ModelInfo:
     param_numels: tuple[int, ...] = ()
     sparse_modules: tuple[str, ...] = ()  # qualified names of sparse embeddings
     module_names: tuple[str, ...] = ()  # qualified names of every sub-module (named_modules)
+    param_bytes: tuple[int, ...] = ()  # bytes of each parameter (numel * element size)
+    trainable: tuple[bool, ...] = ()  # whether each parameter requires a gradient
 
     @property
     def numel(self) -> int:
@@ -82,15 +84,18 @@ class ModelInfo:
     def of(cls, model: Any) -> "ModelInfo":
         if model is None:
             return cls()
-        names, numels, sparse, modules = [], [], [], []
+        names, numels, sparse, modules, sizes, trainable = [], [], [], [], [], []
         for name, p in model.named_parameters():
             names.append(name)
             numels.append(p.numel())
+            sizes.append(p.numel() * p.element_size())
+            trainable.append(p.requires_grad)
         for name, m in model.named_modules():
             modules.append(name)
             if getattr(m, "sparse", False) is True:
                 sparse.append(name)
-        return cls(tuple(names), tuple(numels), tuple(sparse), tuple(modules))
+        return cls(tuple(names), tuple(numels), tuple(sparse), tuple(modules), tuple(sizes),
+                   tuple(trainable))
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,8 @@ class Plan:
 
     world: WorldInfo
     entries: tuple[PlanEntry, ...]
+    #: expected state bytes per rank (a ``footprint.Footprint``); None when the model is unknown
+    footprint: Any = None
 
     @property
     def applied(self) -> tuple[str, ...]:
@@ -208,6 +215,8 @@ class Plan:
                 lines.append(f"  -  {e.name:<26} {tag}   {e.reason}".rstrip())
         if not self.applied:
             lines.append("  (no strategy applies: plain local training)")
+        if self.footprint is not None:
+            lines.append(f"  {self.footprint}")
         if w.mode is Mode.PS:  # the server-side update rules run on one of two backends
             from fleetx.ps import kernels
             lines.append(f"  parameter-server kernels: {kernels.describe()}")

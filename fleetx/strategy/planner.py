@@ -14,8 +14,9 @@ import pkgutil
 from typing import Any, Optional, Sequence
 
 import fleetx.strategy
-from fleetx.strategy.api import (ModelInfo, OptimizerInfo, Plan, PlanEntry, PlanInput,
+from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, Plan, PlanEntry, PlanInput,
                                  StrategyError, WorldInfo, registered, sort_strategies)
+from fleetx.strategy.footprint import Footprint
 
 __all__ = ["make_plan", "plan_for", "load_strategies"]
 
@@ -67,7 +68,20 @@ def make_plan(plan_input: PlanInput, strategies: Optional[Sequence[type]] = None
                             + "\n  ".join(errors))
     applied = sort_strategies(c for c in candidates if entries[c.name].applied)
     rest = [entries[c.name] for c in candidates if not entries[c.name].applied]
-    return Plan(plan_input.world, tuple(entries[c.name] for c in applied) + tuple(rest))
+    return Plan(plan_input.world, tuple(entries[c.name] for c in applied) + tuple(rest),
+                _footprint(plan_input, applied))
+
+
+def _footprint(plan_input: PlanInput, applied: Sequence[type]) -> Optional[Footprint]:
+    """Expected state bytes per rank: a full copy, changed by each applied strategy in order;
+    None before the model is known, and in parameter-server mode (the servers hold the
+    tables)."""
+    if not plan_input.model.param_names or plan_input.world.mode is Mode.PS:
+        return None
+    expected = Footprint.of(plan_input.model, plan_input.optimizer)
+    for cls in applied:
+        expected = cls(plan_input.strategy).footprint(plan_input, expected)
+    return expected
 
 
 def _conflicts(candidates: Sequence[type], entries: dict[str, PlanEntry]) -> list[str]:
