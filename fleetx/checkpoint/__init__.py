@@ -6,7 +6,10 @@ save and verifies every file it reads, raising :class:`CheckpointError` ("checks
 mismatch", "missing file") naming the file. Saving again to the same folder replaces the
 checkpoint atomically: a crash in the middle of a save leaves the previous one loadable.
 
-The parameter server's ``save_persistables`` uses it (:mod:`fleetx.ps.checkpoint` decides
+Collective jobs save their training state through :mod:`fleetx.checkpoint.training`
+(``fleet.save_checkpoint`` / ``fleet.load_checkpoint``): ``torch.distributed.checkpoint``
+writes the tensors, this manifest commits them. The parameter server's ``save_persistables``
+uses it (:mod:`fleetx.ps.checkpoint` decides
 what goes in the files); it knows nothing of what the files hold, so any checkpoint made of
 files in a folder can use it.
 """

@@ -10,13 +10,15 @@ the runtime the plan chose. Those forwarding calls, the role queries and Paddle'
 calls on the fleet live in ``delegation.py``; ``state_bytes`` (the training state this
 process holds) in ``memory.py``; the errors in ``api.py``. The module-level
 functions are bound methods of one default :class:`Fleet`; build your own ``Fleet()`` for tests
-or for several jobs in one process.
+or for several jobs in one process. ``save_checkpoint`` / ``load_checkpoint``
+(``checkpoints.py``) save and restore the training state of a collective job.
 
 What it may import: torch, :mod:`fleetx.env`, :mod:`fleetx.role_maker`, :mod:`fleetx.strategy`
 (its contract, the ``DistributedStrategy`` surface and the planner), :mod:`fleetx.comm` (the
 process groups), :mod:`fleetx.optim` (the wrapper base) and :mod:`fleetx.metrics` (re-exported
 as ``fleet.metrics``, as in Paddle). Those packages must not import ``fleet`` back: a lower
-layer that needs the fleet takes what it needs as an argument.
+layer that needs the fleet takes what it needs as an argument. It also imports
+:mod:`fleetx.checkpoint` (the format of the training checkpoints).
 
 Invariants:
 
@@ -69,6 +71,8 @@ rank_in_node = _fleet.rank_in_node
 distributed_model = _fleet.distributed_model
 distributed_optimizer = _fleet.distributed_optimizer
 explain = _fleet.explain
+save_checkpoint = _fleet.save_checkpoint
+load_checkpoint = _fleet.load_checkpoint
 state_bytes = _fleet.state_bytes
 applied_strategies = _fleet.applied_strategies
 get_lr = _fleet.get_lr
@@ -121,4 +125,5 @@ __all__ = [
     "applied_strategies",
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
     "init_worker", "init_server", "run_server", "stop_worker", "save_persistables",
+    "save_checkpoint", "load_checkpoint",
 ]

@@ -19,6 +19,7 @@ from fleetx import env
 from fleetx.comm.groups import ProcessGroups, pick_backend
 from fleetx.fleet import applied
 from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerError: re-exported
+from fleetx.fleet.checkpoints import CheckpointCalls
 from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
 from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
@@ -31,7 +32,7 @@ from fleetx.strategy.planner import plan_for
 
 __all__ = ["Fleet", "FleetError", "RuntimeHandlerError"]
 
-class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries):
+class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, CheckpointCalls):
     """One process's view of a distributed job.
 
     Example:

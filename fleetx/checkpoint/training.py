@@ -1,0 +1,416 @@
+"""Training checkpoints of collective jobs: model, optimizer and strategy state.
+
+The tensors travel through ``torch.distributed.checkpoint`` (DCP), which writes each rank's
+share and re-shards on load, so a checkpoint written by N processes (plain, data parallel,
+FSDP2-sharded or with a ZeRO optimizer) loads into M processes under any of those. The files
+are committed with this package's manifest (:class:`~fleetx.checkpoint.manifest.SaveWriter`):
+every file's SHA-256, one save id, an atomic rename as commit point.
+
+Layout of the save folder (``path/save-<id>/``)::
+
+    .metadata, __<r>_0.distcp     DCP: "model.<name>", "optim.state.<name>.<key>",
+                                  "optim.param_groups.<name>.<key>" (names as in
+                                  ``named_parameters()``), and each rank's own tensors
+                                  "fleetx/rank<r>/..." (strategy tensors, gradients)
+    fleetx.json                   rank 0: format, world size, applied strategies, ``extra``
+    strategy-rank<r>.json         rank r: each strategy's state, tensors as references
+
+What is global and what is per rank:
+
+* parameters, optimizer moments and step counts, learning rates: global; they load exactly at
+  any world size and under any strategy (DCP re-shards them).
+* strategy state (loss scale, Local SGD and adaptive Local SGD counters, gradient-merge
+  micro-step, DGC step, traffic counters) and gradients still being accumulated (gradient
+  merge between updates): saved by every rank. At the same world size each rank loads its
+  own. At another world size every rank loads rank 0's numbers, and per-rank tensors (DGC
+  residuals and momentum, accumulated gradients) are dropped: DGC rebuilds its buffers as it
+  does when it starts, and gradients start from none, so save at an update boundary
+  (``minimize`` returned True) to resume at another world size without losing micro-steps.
+* strategies applied now but absent from the checkpoint keep their fresh state; state of
+  strategies not applied now is ignored.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from fleetx.checkpoint.api import CheckpointError, FileEntry, Manifest
+from fleetx.checkpoint.manifest import Checkpoint, SaveWriter
+from fleetx.optim.wrapper import OptimizerWrapper
+
+__all__ = ["TrainingState", "save", "load", "FORMAT"]
+
+#: format of ``fleetx.json``; a reader refuses any other
+FORMAT = 1
+META = "fleetx.json"
+_REF = "__tensor__"
+# Optimizer state keyed by parameter name ("state.<name>.exp_avg"), not by group index: ranks
+# owning different parameters (ZeRO) write different keys, and any layout reads them back.
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+_CHUNK = 16 << 20
+
+
+@dataclass
+class TrainingState:
+    """What a training checkpoint saves from, and loads into, in one process.
+
+    Args:
+        module: the user's module (plain, or sharded in place by FSDP2).
+        optimizer: the optimizer over its parameters (fleetx wrappers are looked through; a
+            ``ZeroRedundancyOptimizer`` contributes its local partition), or None.
+        strategy_state: each applied strategy's state by name, objects with ``state_dict`` /
+            ``load_state_dict`` (the training context's ``state``).
+        rank: this process's rank.
+        world_size: processes in the job (collectives run on the default group when > 1).
+        strategies: names of the applied strategies, recorded in the checkpoint.
+    """
+
+    module: nn.Module
+    optimizer: Optional[torch.optim.Optimizer] = None
+    strategy_state: Optional[dict] = None
+    rank: int = 0
+    world_size: int = 1
+    strategies: tuple = ()
+
+
+def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manifest:
+    """Save ``ts`` into folder ``path``, replacing its checkpoint atomically (every rank calls).
+
+    Args:
+        path: the checkpoint folder (created if needed).
+        ts: what to save.
+        extra: a JSON-able dict stored beside (``{"step": 500}``), returned by :func:`load`.
+
+    Returns:
+        The committed manifest.
+
+    Raises:
+        TypeError: ``extra`` is not a dict that JSON can encode (nothing is written).
+        CheckpointError: a file cannot be written or committed (the previous checkpoint stays).
+    """
+    extra = _checked_extra(extra)
+    writer = _joined_writer(path, ts)
+    tensors: dict[str, torch.Tensor] = {}
+    prefix = f"fleetx/rank{ts.rank}/"
+    record = {"strategies": _encode(_strategy_dicts(ts), prefix + "strategy", tensors),
+              "grads": _encode(_local_grads(ts.module), prefix + "grad", tensors)}
+    state: dict[str, Any] = {"model": get_model_state_dict(ts.module), **tensors}
+    optimizer = _torch_optimizer(ts.optimizer)
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(ts.module, optimizer, options=_OPTIM)
+    with _quiet_single_process(ts):
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(writer.folder),
+                 no_dist=ts.world_size <= 1)
+    writer.write_json(_state_file(ts.rank), record)
+    if ts.rank == 0:
+        writer.write_json(META, {"format": FORMAT, "world_size": ts.world_size,
+                                 "strategies": list(ts.strategies), "extra": extra})
+    _barrier(ts)  # every file is written before anyone hashes the folder
+    entries = _gather(ts, _hash_share(writer.folder, ts.rank, ts.world_size))
+    manifest, error = None, None
+    if ts.rank == 0:
+        writer.add(FileEntry(*e) for part in entries for e in part)
+        try:
+            manifest = writer.commit()
+        except CheckpointError as e:
+            error = (str(e), e.path)
+    _raise_any(ts, error)
+    return manifest if manifest is not None else Checkpoint(path).manifest
+
+
+def load(path: str, ts: TrainingState) -> dict:
+    """Load the checkpoint in folder ``path`` into ``ts`` (every rank calls).
+
+    Every file is verified against the manifest before anything is loaded (the ranks share
+    the hashing); see the module docstring for what loads at another world size.
+
+    Returns:
+        The ``extra`` dict given to :func:`save`.
+
+    Raises:
+        CheckpointError: no checkpoint, a damaged or missing file ("checksum mismatch" naming
+            it; nothing is loaded), another format, or a parameter of the model that the
+            checkpoint does not hold (named).
+    """
+    ckpt = _verified(path, ts)
+    meta = ckpt.read_json(META)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt.path(META)}: training checkpoint format "
+                              f"{meta.get('format') if isinstance(meta, dict) else meta!r}, "
+                              f"this version reads {FORMAT}", ckpt.path(META))
+    same = meta["world_size"] == ts.world_size
+    record = ckpt.read_json(_state_file(ts.rank if same else 0))
+    reader = dcp.FileSystemReader(ckpt.folder)
+    available = reader.read_metadata().state_dict_metadata
+    optimizer = _torch_optimizer(ts.optimizer)
+    with _grads_set_aside(ts.module):
+        state = {"model": get_model_state_dict(ts.module)}
+        _check_model_keys(ckpt, state["model"], available)
+        if optimizer is not None:
+            state["optim"] = _optimizer_template(ts.module, optimizer, available)
+        refs = _tensor_templates(record, available) if same else {}
+        with _quiet_single_process(ts):
+            dcp.load({**state, **refs}, storage_reader=reader, no_dist=ts.world_size <= 1)
+        set_model_state_dict(ts.module, state["model"])
+        if optimizer is not None:
+            _set_optimizer(ts.module, optimizer, state["optim"], ts.optimizer)
+    _restore_grads(ts.module, _decode(record.get("grads", {}), refs, same))
+    _load_strategies(ts, _decode(record.get("strategies", {}), refs, same))
+    return meta.get("extra") or {}
+
+
+# -- saving helpers ---------------------------------------------------------------------------
+def _checked_extra(extra: Any) -> dict:
+    if extra is None:
+        return {}
+    if not isinstance(extra, Mapping):
+        raise TypeError(f"save_checkpoint(extra=...) expects a dict, got {type(extra).__name__}")
+    try:
+        return json.loads(json.dumps(dict(extra)))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save_checkpoint(extra=...) must be JSON-able: {e}") from None
+
+
+def _joined_writer(path: str, ts: TrainingState) -> SaveWriter:
+    """Rank 0 starts a save; the others join it under the id rank 0 broadcasts."""
+    writer = SaveWriter(path) if ts.rank == 0 else None
+    if ts.world_size > 1:
+        box = [writer.save_id if writer is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        if writer is None:
+            writer = SaveWriter(path, box[0])
+    return writer
+
+
+def _state_file(rank: int) -> str:
+    return f"strategy-rank{rank}.json"
+
+
+def _strategy_dicts(ts: TrainingState) -> dict:
+    return {name: value.state_dict() if hasattr(value, "state_dict") else value
+            for name, value in (ts.strategy_state or {}).items()}
+
+
+def _local_grads(module: nn.Module) -> dict:
+    """Gradients held now (accumulated between updates), this rank's part of each."""
+    return {name: _local(p.grad) for name, p in module.named_parameters() if p.grad is not None}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # A DTensor (FSDP2) contributes its local shard: per-rank state is plain tensors.
+    to_local = getattr(tensor, "to_local", None)
+    return (to_local() if to_local is not None else tensor).detach()
+
+
+def _encode(value: Any, key: str, tensors: dict) -> Any:
+    """``value`` as JSON, each tensor replaced by a reference to its DCP key in ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        tensors[key] = _local(value).clone()
+        return {_REF: key}
+    if isinstance(value, Mapping):
+        return {str(k): _encode(v, f"{key}/{k}", tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(f"cannot save strategy state {key!r}: a {type(value).__name__} is "
+                          "neither a tensor nor a JSON value")
+
+
+def _hash_share(folder: str, rank: int, world_size: int) -> list:
+    """(relative path, SHA-256, size) of this rank's share of the folder's files."""
+    names = sorted(os.path.relpath(os.path.join(root, f), folder)
+                   for root, _, files in os.walk(folder) for f in files)
+    share = []
+    for rel in names[rank::world_size]:
+        sha, size = hashlib.sha256(), 0
+        with open(os.path.join(folder, rel), "rb") as f:
+            for chunk in iter(lambda: f.read(_CHUNK), b""):
+                sha.update(chunk)
+                size += len(chunk)
+        share.append((rel.replace(os.sep, "/"), sha.hexdigest(), size))
+    return share
+
+
+# -- loading helpers --------------------------------------------------------------------------
+def _verified(path: str, ts: TrainingState) -> Checkpoint:
+    """The checkpoint, every file's hash checked (each rank its share; any failure fails all)."""
+    error = None
+    try:
+        ckpt = Checkpoint(path)
+        for rel in ckpt.names()[ts.rank::max(ts.world_size, 1)]:
+            ckpt.verify(rel)
+    except CheckpointError as e:
+        error = (str(e), e.path)
+    _raise_any(ts, error)
+    return ckpt
+
+
+def _check_model_keys(ckpt: Checkpoint, model: dict, available: Mapping) -> None:
+    missing = [k for k in model if f"model.{k}" not in available]
+    if missing:
+        held = sorted(k[len("model."):] for k in available if k.startswith("model."))
+        raise CheckpointError(f"checkpoint {ckpt.dirname} holds no parameter {missing[0]!r} of "
+                              f"the model ({len(missing)} missing; it holds {held[:8]})",
+                              ckpt.dirname)
+
+
+def _optimizer_template(module: nn.Module, optimizer: torch.optim.Optimizer,
+                        available: Mapping) -> dict:
+    """This rank's optimizer state dict to load into, limited to what the checkpoint holds
+    (a checkpoint saved before the first step has learning rates but no moments)."""
+    template = get_optimizer_state_dict(module, optimizer, options=_OPTIM)
+    return {k: v for k, v in template.items() if f"optim.{k}" in available}
+
+
+def _set_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict,
+                   given: Any) -> None:
+    held = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in state if k.startswith("state.")}
+    set_optimizer_state_dict(module, optimizer, state, options=_OPTIM)
+    # Parameters without moments in the checkpoint (saved before their first step) start
+    # without any, as they did then, rather than with the zeros DCP initialised.
+    for name, param in module.named_parameters():
+        if name not in held:
+            optimizer.state.pop(param, None)
+    zero = _zero_of(given)
+    if zero is not None:  # the partition's learning rates are copied back at every step
+        zero._sync_param_groups(optimizer.param_groups, zero.param_groups)
+
+
+@contextlib.contextmanager
+def _grads_set_aside(module: nn.Module) -> Iterator[None]:
+    # DCP creates missing optimizer state with a zero-gradient step, and silently skips it when
+    # any parameter holds a gradient: then nothing would be loaded into the optimizer.
+    grads = {p: p.grad for p in module.parameters()}
+    for p in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+
+
+def _tensor_templates(record: Any, available: Mapping) -> dict:
+    """Empty tensors for every per-rank tensor the record references, shaped as saved."""
+    keys: list = []
+    _collect_refs(record, keys)
+    templates = {}
+    for key in keys:
+        meta = available.get(key)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"strategy tensor {key!r} is referenced but not saved")
+        templates[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    return templates
+
+
+def _collect_refs(value: Any, keys: list) -> None:
+    if isinstance(value, dict):
+        if set(value) == {_REF}:
+            keys.append(value[_REF])
+        for v in value.values():
+            _collect_refs(v, keys)
+    elif isinstance(value, list):
+        for v in value:
+            _collect_refs(v, keys)
+
+
+_DROP = object()
+
+
+def _decode(value: Any, tensors: Mapping, keep_tensors: bool) -> Any:
+    """Inverse of :func:`_encode`; without ``keep_tensors`` tensor leaves are left out."""
+    if isinstance(value, dict) and set(value) == {_REF}:
+        return tensors[value[_REF]] if keep_tensors else _DROP
+    if isinstance(value, dict):
+        out = {k: _decode(v, tensors, keep_tensors) for k, v in value.items()}
+        return {k: v for k, v in out.items() if v is not _DROP}
+    if isinstance(value, list):
+        return [v for v in (_decode(v, tensors, keep_tensors) for v in value) if v is not _DROP]
+    return value
+
+
+def _restore_grads(module: nn.Module, grads: Mapping) -> None:
+    for name, param in module.named_parameters():
+        grad = grads.get(name)
+        if grad is None:
+            param.grad = None
+        elif hasattr(param, "to_local"):  # a sharded parameter: the grad is this rank's shard
+            param.grad = param.new_zeros(param.shape)  # a DTensor laid out as the parameter
+            param.grad.to_local().copy_(grad)
+        else:
+            param.grad = grad.to(param.device, param.dtype)
+
+
+def _load_strategies(ts: TrainingState, saved: Mapping) -> None:
+    current = ts.strategy_state if ts.strategy_state is not None else {}
+    for name, value in saved.items():
+        target = current.get(name)
+        if hasattr(target, "load_state_dict"):
+            target.load_state_dict(value)
+        elif name in current:
+            current[name] = value
+
+
+# -- optimizers and collectives ---------------------------------------------------------------
+def _zero_of(optimizer: Any) -> Any:
+    while isinstance(optimizer, OptimizerWrapper):
+        optimizer = optimizer.inner
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return optimizer if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+
+
+def _torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    """The optimizer that holds the state: fleetx wrappers looked through, and a ZeRO
+    optimizer's local partition (DCP refuses the ZeRO object; its partition is an ordinary
+    optimizer over the parameters this rank owns)."""
+    while isinstance(optimizer, OptimizerWrapper):
+        optimizer = optimizer.inner
+    zero = _zero_of(optimizer)
+    return zero.optim if zero is not None else optimizer
+
+
+@contextlib.contextmanager
+def _quiet_single_process(ts: TrainingState) -> Iterator[None]:
+    # DCP warns that it assumes a single process when no process group exists: that is the
+    # intent of a one-process job, not news to its user.
+    with warnings.catch_warnings():
+        if ts.world_size <= 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier(ts: TrainingState) -> None:
+    if ts.world_size > 1:
+        dist.barrier()
+
+
+def _gather(ts: TrainingState, value: Any) -> list:
+    if ts.world_size <= 1:
+        return [value]
+    out: list = [None] * ts.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _raise_any(ts: TrainingState, error: Optional[tuple]) -> None:
+    """Raise on every rank the first failing rank's ``(message, path)``, so that no rank goes
+    on (and waits) past a failure on another."""
+    errors = [e for e in _gather(ts, error) if e is not None]
+    if errors:
+        raise CheckpointError(*errors[0])
