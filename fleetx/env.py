@@ -148,6 +148,10 @@ _VARS = [
        "servers and workers refuse any non-loopback endpoint: it exists to measure the two "
        "against each other); any other value is an error naming the choices", "user",
        "ps runtime", "none"),
+    _v("FLEETX_AUTO_MEMORY_MB", "memory budget per rank in MiB for strategy.auto: it keeps the "
+       "fastest measured plan whose parameter, gradient, optimizer and saved-for-backward bytes "
+       "per rank fit (default: the device's free memory plus what the model already holds)",
+       "user", "strategy.auto (through the world object)", "none"),
     _v("FLEETX_DRY_RUN", "1: print the plan at distributed_optimizer and exit 0 before any "
        "communication", "fleetrun --dry-run", "fleet", "none"),
     _v("FLEETX_TTY", "1 when fleetrun's own stdout is a terminal, else 0: rank 0's (worker 0's) "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import functools
 import sys
 import warnings
 from typing import Any, Optional
@@ -24,6 +25,7 @@ from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
 from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
+from fleetx.fleet.trial import apply_plan, run_trial
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
 from fleetx.fleet.util import UtilBase
 from fleetx.strategy.api import Mode, Plan, TrainingContext, WorldInfo, registered
@@ -52,6 +54,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._dist_optimizer: Optional[DistributedOptimizer] = None
         self._ctx: Optional[TrainingContext] = None
         self._plan: Optional[Plan] = None
+        self._search: Any = None  # what strategy.auto measured and chose, once it has
         self._util = UtilBase(self)
         self._warned: set = set()
 
@@ -101,7 +104,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
                 role_maker._worker_index(), role_maker._worker_num()):
             self._shutdown()  # a re-init into another world leaves the old one
         self._role_maker = role_maker
-        self._ctx, self._plan, self._models = None, None, []
+        self._ctx, self._plan, self._models, self._search = None, None, [], None
         self._optimizer, self._dist_optimizer = None, None
         self._warned = set()
         if role_maker.is_collective:
@@ -194,15 +197,28 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             sys.exit(0)
         if world.mode is Mode.COLLECTIVE and world.world_size > 1:
             self._communicator()
-        ctx = TrainingContext(world, self._strategy, self._optimizer, model)
-        for name in plan.applied:
-            registered(name)(self._strategy).apply(ctx)
+        ctx = apply_plan(plan, self._strategy, world, model, self._optimizer,
+                         trial=functools.partial(self._trial, world, model),
+                         replan=self._replan)
         for entry in plan.warnings:
             if (entry.name, entry.reason) not in self._warned:  # once per job, not per re-plan
                 self._warned.add((entry.name, entry.reason))
                 warnings.warn(f"fleetx: {entry.warning_text}", stacklevel=3)
         self._ctx, self._plan = ctx, plan
         return ctx
+
+    def _trial(self, world: WorldInfo, model: Any, strategy: DistributedStrategy,
+               args: tuple, kwargs: dict) -> Any:
+        """A few training steps of ``strategy``'s plan on copies (``ctx.trial``, for auto)."""
+        return run_trial(world, strategy, model, self._optimizer, args, kwargs)
+
+    def _replan(self, strategy: DistributedStrategy, report: Any) -> None:
+        """Put ``strategy`` in force and rebuild the context both wrappers use (``ctx.replan``:
+        auto's choice); ``report`` is shown by :meth:`explain`."""
+        self._strategy, self._search = strategy, report
+        ctx = self._build_context()
+        if self._dist_optimizer is not None:
+            self._dist_optimizer._ctx = ctx
 
     def _context(self) -> TrainingContext:
         return self._ctx if self._ctx is not None else self._build_context()
@@ -260,10 +276,17 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         return self._dist_optimizer
 
     def explain(self, file: Any = None) -> Plan:
-        """Print (and return) the plan: which strategies apply, in what order, and why not."""
+        """Print (and return) the plan: which strategies apply, in what order, and why not.
+
+        Once ``strategy.auto`` has chosen, the plan is the winner's, followed by every measured
+        candidate with its figures and why the winner won.
+        """
         plan = plan_for(self._strategy, self._world("explain"),
                         self._models[-1].module if self._models else None, self._optimizer)
-        print(plan, file=file if file is not None else sys.stdout, flush=True)
+        out = file if file is not None else sys.stdout
+        print(plan, file=out, flush=True)
+        if self._search is not None:
+            print(self._search, file=out, flush=True)
         return plan
 
     @property

@@ -64,6 +64,11 @@ class DistributedModel(nn.Module):
         if context_of is None:  # a copy made with copy.deepcopy / pickle: a plain model
             return self.module(*args, **kwargs)
         ctx = context_of()
+        if ctx.first_batch and self.training and torch.is_grad_enabled():
+            hooks, ctx.first_batch[:] = list(ctx.first_batch), []
+            for hook in hooks:  # e.g. auto's search, which may put a new context in force
+                hook(args, kwargs)
+            ctx = context_of()
         engine, eval_engine = self._engines_for(ctx)
         if not self.training:
             with ctx.forward_context():

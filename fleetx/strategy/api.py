@@ -80,6 +80,12 @@ class TrainingContext:
     * ``state``: per-strategy state, keyed by strategy name (saved with the optimizer).
     * ``runtime``: an object serving ``init_worker`` / ``init_server`` / ``run_server`` /
       ``stop_worker`` / ``save_persistables`` (the parameter-server strategy installs one).
+    * ``first_batch``: ``fn(args, kwargs) -> None`` run once, with the inputs of the first
+      training forward of the model, before its engine is built (``auto`` measures there).
+    * ``trial``: set by the engine: ``fn(strategy, args, kwargs) -> Measurement`` runs a few
+      training steps of ``strategy``'s plan on copies of the model and optimizer.
+    * ``replan``: set by the engine: ``fn(strategy, report) -> None`` replaces the strategy in
+      force and rebuilds the training context from it (``report`` is shown by explain).
     """
 
     def __init__(self, world: WorldInfo, strategy: Any, optimizer: Any = None,
@@ -102,6 +108,9 @@ class TrainingContext:
         self.optimizer_methods: dict[str, Callable[..., Any]] = {}
         self.state: dict[str, Any] = {}
         self.runtime: Any = None
+        self.first_batch: list[Callable[[tuple, dict], None]] = []
+        self.trial: Optional[Callable[[Any, tuple, dict], Any]] = None
+        self.replan: Optional[Callable[[Any, Any], None]] = None
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
@@ -128,7 +137,9 @@ class Strategy(abc.ABC):
       the pair on one side; the planner checks both directions);
     * ``runs_after`` / ``runs_before``: strategies whose hooks must be installed before / after
       its own when both apply (the planner sorts by these relations, never by a number);
-    * ``implicit``: enabled without a switch, like data parallel.
+    * ``implicit``: enabled without a switch, like data parallel;
+    * ``replaces_plan``: when it applies, it is the plan's only applied strategy: it chooses
+      the others itself (``auto``), which are listed as deferred to it.
     """
 
     name: ClassVar[str]
@@ -137,6 +148,7 @@ class Strategy(abc.ABC):
     runs_after: ClassVar[tuple[type["Strategy"], ...]] = ()
     runs_before: ClassVar[tuple[type["Strategy"], ...]] = ()
     implicit: ClassVar[bool] = False
+    replaces_plan: ClassVar[bool] = False
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

@@ -52,8 +52,10 @@ class TopLevelConfig(Config):
                             no_effect=PipelineConfig.no_effect)
     elastic: bool = option(False, "Elastic training (Paddle 2.2 does not act on it either).",
                            no_effect="elastic jobs come from fleetrun --nnodes MIN:MAX")
-    auto: bool = option(False, "Paddle: let Fleet choose strategies when no other switch is set.",
-                        no_effect="fleetx has no automatic strategy search")
+    auto: bool = option(False, "Choose amp, recompute and the sharding stage left unset by "
+                        "measuring a few real steps of each candidate plan at the first training "
+                        "forward: the fastest that fits in memory per rank (FLEETX_AUTO_MEMORY_MB "
+                        "or the free memory).")
     a_sync: bool = option(True, "Parameter server: async (True) or sync (False); assigning it "
                           "resets a_sync_configs['k_steps'] to 0 (a_sync_configs).")
     sync_nccl_allreduce: bool = option(True, "Wait for each all-reduce before computing on.",

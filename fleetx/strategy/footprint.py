@@ -71,7 +71,8 @@ class Footprint:
             is unknown (see :data:`STATE_TENSORS`).
         scalars: the part of ``optimizer`` held in one-element tensors (``step``).
         parameters_in_step: parameter bytes held from forward to backward, when it differs
-            from ``parameters`` (stage 2 keeps the gathered parameters until the backward).
+            from ``parameters`` (stage 2 keeps the gathered parameters, beside the shards,
+            until the backward).
         how: what shaped the figures, for the printed plan (``"sharding stage 2 over 4
             ranks"``); empty for a plain copy of everything.
         missing: why ``optimizer`` is None.
@@ -106,7 +107,7 @@ class Footprint:
         group: uneven partitions put a little more on some ranks.
 
         With FSDP (stages 2 and 3) the parameters rest sharded between steps at both stages;
-        stage 2 differs in keeping them gathered from forward to backward
+        stage 2 differs in keeping them gathered, beside the shards, from forward to backward
         (:attr:`parameters_in_step`).
 
         Raises:
@@ -122,7 +123,9 @@ class Footprint:
             optimizer = (self.optimizer - self.scalars) // degree + scalars
         gradients = self.gradients if stage == 1 else self.gradients // degree
         parameters = self.parameters if stage == 1 else self.parameters // degree
-        in_step = self.parameters if stage == 2 else None
+        # FSDP2 swaps the gathered parameters in for the forward and keeps its shards: both
+        # are held until the backward reshards.
+        in_step = self.parameters + parameters if stage == 2 else None
         return replace(self, parameters=parameters, gradients=gradients, optimizer=optimizer,
                        scalars=scalars, parameters_in_step=in_step,
                        how=f"sharding stage {stage} over {degree} ranks")

@@ -66,6 +66,7 @@ def make_plan(plan_input: PlanInput, strategies: Optional[Sequence[type]] = None
     if errors:
         raise StrategyError("the distributed strategy cannot run as configured:\n  "
                             + "\n  ".join(errors))
+    _defer(candidates, entries)
     applied = sort_strategies(c for c in candidates if entries[c.name].applied)
     rest = [entries[c.name] for c in candidates if not entries[c.name].applied]
     return Plan(plan_input.world, tuple(entries[c.name] for c in applied) + tuple(rest),
@@ -82,6 +83,21 @@ def _footprint(plan_input: PlanInput, applied: Sequence[type]) -> Optional[Footp
     for cls in applied:
         expected = cls(plan_input.strategy).footprint(plan_input, expected)
     return expected
+
+
+def _defer(candidates: Sequence[type], entries: dict[str, PlanEntry]) -> None:
+    """When a strategy that ``replaces_plan`` applies, the other applicable ones wait for its
+    choice: they are listed as not applied, naming it."""
+    deciders = [c for c in candidates if c.replaces_plan and entries[c.name].applied]
+    if not deciders:
+        return
+    decider = deciders[0].name
+    for cls in candidates:
+        entry = entries[cls.name]
+        if entry.applied and cls.name != decider:
+            entries[cls.name] = PlanEntry(cls.name, False, f"deferred: {decider} chooses the plan "
+                                          f"at the first training forward",
+                                          enabled=entry.enabled)
 
 
 def _conflicts(candidates: Sequence[type], entries: dict[str, PlanEntry]) -> list[str]:

@@ -11,6 +11,7 @@ over the ``sharding_degree`` ranks of a group; broadcasts are fused into segment
 tensor and pipeline parallelism.
 """
 from dataclasses import dataclass
+from typing import Any
 
 from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
@@ -140,6 +141,11 @@ class ShardingStrategy(Strategy):
                   f"over data-parallel groups of {topo.dp_degree}")
         return Verdict.ok(f"stage {stage}: {_SHARDED[stage]} sharded over "
                           f"{topo.sharding_degree} ranks ({groups}); engine: {engine}")
+
+    def footprint(self, plan_input: PlanInput, expected: Any) -> Any:
+        """The state of a full copy divided over the sharding group as the stage says."""
+        degree = resolve(self.strategy, plan_input.world.world_size).sharding_degree
+        return expected.sharded(self.strategy.typed_config("sharding").stage, degree)
 
     def apply(self, ctx: TrainingContext) -> None:
         topo = resolve(self.strategy, ctx.world.world_size)

@@ -77,7 +77,7 @@ def test_each_stage_divides_its_share(stage, degree):
     assert fp.scalars == (40 // degree if stage == 1 else 40)
     assert fp.gradients == (8000 if stage == 1 else 8000 // degree)
     assert fp.parameters == (8000 if stage == 1 else 8000 // degree)
-    assert fp.parameters_in_step == (8000 if stage == 2 else None)
+    assert fp.parameters_in_step == (8000 + 8000 // degree if stage == 2 else None)
     assert f"sharding stage {stage} over {degree} ranks" in str(fp)
 
 
