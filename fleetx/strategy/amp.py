@@ -173,8 +173,7 @@ class AmpStrategy(Strategy):
 
         def backward(loss: Any) -> None:
             check.scaled = True
-            with hooks.backward_region():  # recomputed modules keep their listed precision
-                scaled_backward(scaler.scale_loss(loss))
+            scaled_backward(scaler.scale_loss(loss))
 
         ctx.backward = backward
         ctx.step_guards.append(check.guard)
