@@ -195,6 +195,14 @@ class PrecisionHooks:
         """The context manager of a forward in mixed precision: autocast plus these hooks."""
         return _Region(self)
 
+    def backward_region(self) -> "_Region":
+        """The context manager of a backward: these hooks only, no autocast. A module that
+        ``recompute`` checkpoints runs its forward again inside backward; torch.utils.checkpoint
+        restores the autocast state of the forward but knows nothing of these hooks, so without
+        them a float32-listed layer would be recomputed in low precision (and checkpoint would
+        refuse the mismatch)."""
+        return _Region(self, autocast=False)
+
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
@@ -202,9 +210,9 @@ class PrecisionHooks:
 
 
 class _Region:
-    def __init__(self, hooks: PrecisionHooks) -> None:
+    def __init__(self, hooks: PrecisionHooks, autocast: bool = True) -> None:
         self.hooks = hooks
-        self.autocast = torch.autocast(hooks.device, dtype=hooks.dtype)
+        self.autocast = torch.autocast(hooks.device, dtype=hooks.dtype, enabled=autocast)
 
     def __enter__(self) -> None:
         self.autocast.__enter__()

@@ -173,7 +173,8 @@ class AmpStrategy(Strategy):
 
         def backward(loss: Any) -> None:
             check.scaled = True
-            scaled_backward(scaler.scale_loss(loss))
+            with hooks.backward_region():  # recomputed modules keep their listed precision
+                scaled_backward(scaler.scale_loss(loss))
 
         ctx.backward = backward
         ctx.step_guards.append(check.guard)

@@ -254,7 +254,7 @@ class Config:
         if key in cls.aliases:
             warn_old_name(f"{cls.label(key)} is an old name; use {cls.label(cls.aliases[key])}")
             return cls.aliases[key]
-        raise ValueError(unknown_name(cls.what(), key, cls.specs()))
+        raise ValueError(unknown_name(cls.what(), key, [*cls.specs(), *cls.synonyms]))
 
     @classmethod
     def check(cls, key: str, value: Any) -> Any:

@@ -122,6 +122,7 @@ def resolve(strategy: Any, world_size: int) -> Topology:
             ``hybrid_dp`` contradicting the data-parallel degree; a sharding degree set while
             ``strategy.sharding`` is off; a tensor or pipeline degree other than 1. Each
             message names the settings, their numbers and the fix.
+        ValueError: ``world_size`` is not an int >= 1.
 
     Example:
         >>> from fleetx.strategy.distributed_strategy import DistributedStrategy
