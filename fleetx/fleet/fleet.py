@@ -226,8 +226,10 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
     def distributed_model(self, model: torch.nn.Module) -> DistributedModel:
         """Wrap ``model`` so the plan's strategies run on it (DDP with more than one process).
 
-        The wrapper builds its engine at the first forward, so it may still be moved to a device.
-        Its ``state_dict`` has the plain model's keys.
+        The wrapper builds its engine at the first forward, so it may still be moved to a device;
+        a strategy that shards the model (sharding stage 2 or 3) changes it here, in place, so
+        build the optimizer from ``model.parameters()`` afterwards (or before: it is rebuilt
+        over the shards). Its ``state_dict`` has the plain model's keys and full tensors.
 
         Raises:
             ValueError: ``model`` is None or not an ``nn.Module``.
@@ -242,7 +244,17 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         if self._dist_optimizer is not None:
             # distributed_optimizer came first: both wrappers must share one context.
             self._dist_optimizer._ctx = self._build_context()
+        elif self._shapes_model():
+            self._build_context()  # the model changes now, before its parameters are read
         return wrapped
+
+    def _shapes_model(self) -> bool:
+        """Whether an applied strategy changes the model in place (a dry run changes
+        nothing: it stops at distributed_optimizer)."""
+        if self._dry_run():
+            return False
+        plan = plan_for(self._strategy, self._world(), self._models[-1].module, self._optimizer)
+        return any(registered(name).shapes_model for name in plan.applied)
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
                               strategy: Optional[DistributedStrategy] = None

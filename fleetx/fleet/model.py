@@ -3,7 +3,10 @@
 It holds the user's module and builds the distributed engine (DDP, or the plain module with one
 process) from the fleet's current training context the first time it runs, so the model may
 still be moved to its device after being wrapped. ``state_dict`` keys are the plain model's, so a
-checkpoint written by N processes loads into 1 and back.
+checkpoint written by N processes loads into 1 and back. With sharded parameters (sharding
+stage 3, and stage 2 between steps) ``state_dict`` gathers full plain tensors (a collective:
+every rank calls it, and every rank gets them all) and ``load_state_dict`` takes such a full
+dict, each rank keeping its own shard.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["DistributedModel"]
 
@@ -34,6 +38,7 @@ class DistributedModel(nn.Module):
         # Plain attributes, kept out of the module tree on purpose: the engines wrap ``module``
         # (registering them would list every parameter twice).
         self.__dict__["_context_of"] = context_of
+        self.__dict__["_user_no_sync"] = False  # inside ``with model.no_sync()`` (FSDP2)
         self._forget_engines()
         # Checkpoints carry the plain model's keys (no ``module.`` prefix), also when this
         # wrapper sits inside another module.
@@ -75,6 +80,10 @@ class DistributedModel(nn.Module):
                 return eval_engine(*args, **kwargs)
         skip_sync = torch.is_grad_enabled() and not ctx.sync_gradients()
         no_sync = getattr(engine, "no_sync", None) if skip_sync else None
+        if hasattr(engine, "set_requires_gradient_sync"):
+            # FSDP2 reads its flag in backward, not in forward (as DDP's no_sync does): set it
+            # for this micro-step's backward, and leave it until the next forward sets it.
+            engine.set_requires_gradient_sync(not skip_sync and not self._user_no_sync)
         with (no_sync() if no_sync else contextlib.nullcontext()), ctx.forward_context():
             return engine(*args, **kwargs)
 
@@ -82,6 +91,15 @@ class DistributedModel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Run forward and backward without synchronising gradients (accumulate locally)."""
         engine, _ = self._engines_for(self._context_of())
+        if hasattr(engine, "set_requires_gradient_sync"):  # FSDP2 (sharding stage 2 or 3)
+            self.__dict__["_user_no_sync"] = True
+            engine.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.__dict__["_user_no_sync"] = False
+                engine.set_requires_gradient_sync(True)
+            return
         with (engine.no_sync() if hasattr(engine, "no_sync") else contextlib.nullcontext()):
             yield
 
@@ -110,12 +128,27 @@ class DistributedModel(nn.Module):
 
 
 def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    # Sharded parameters (DTensor shards of FSDP2) are gathered into full plain tensors: a
+    # collective, in the same key order on every rank, so every rank must call state_dict.
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+        value = state_dict.pop(key)
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        state_dict[prefix + key[len(inner):]] = value
 
 
 def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    # A full tensor meant for a sharded parameter becomes that parameter's shard (each rank
+    # cuts its own from the full tensor it was given: no communication).
     inner = prefix + "module."
+    sharded = {name: p for name, p in module.module.named_parameters()
+               if isinstance(p, DTensor)}
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+        value, name = state_dict.pop(key), key[len(prefix):]
+        target = sharded.get(name)
+        if target is not None and isinstance(value, torch.Tensor) and not isinstance(
+                value, DTensor):
+            value = distribute_tensor(value.to(target.device), target.device_mesh,
+                                      target.placements, src_data_rank=None)
+        state_dict[inner + name] = value

@@ -11,6 +11,7 @@ import numbers
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from fleetx.optim.wrapper import OptimizerWrapper
 
@@ -127,8 +128,13 @@ class DistributedOptimizer(OptimizerWrapper):
             hook(float(value))
 
     def state_dict(self) -> dict:  # type: ignore[override]
-        """The inner optimizer's state dict, plus strategy state under ``"fleetx"`` if any."""
-        sd = self.inner.state_dict()
+        """The inner optimizer's state dict, plus strategy state under ``"fleetx"`` if any.
+
+        With sharding stage 1 the state is spread over the sharding group: it is gathered
+        first (a collective: every rank calls it) and every rank gets all of it, in the plain
+        optimizer's format, so it loads into an unsharded optimizer too.
+        """
+        sd = _consolidated(self.inner)
         extra = {k: v.state_dict() if hasattr(v, "state_dict") else v
                  for k, v in self._ctx.state.items()}
         if extra:
@@ -162,3 +168,16 @@ class DistributedOptimizer(OptimizerWrapper):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+
+
+def _consolidated(inner: torch.optim.Optimizer) -> dict:
+    """``inner.state_dict()``; a ``ZeroRedundancyOptimizer``'s state is first gathered on its
+    group's first rank, then sent to the others (every rank gets the whole state)."""
+    if not hasattr(inner, "consolidate_state_dict"):
+        return inner.state_dict()
+    inner.consolidate_state_dict(to=0)
+    holder = [inner.state_dict() if inner.rank == 0 else None]
+    inner._all_state_dicts = []  # the gathered copy: freed, it is the whole state
+    group = inner.process_group
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]

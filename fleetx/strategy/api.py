@@ -55,7 +55,8 @@ class TrainingContext:
 
     Strategies never reach into the engine; they add to these hook points:
 
-    * ``model``: the user's module (read-only for strategies; None until distributed_model).
+    * ``model``: the user's module (None until distributed_model). Strategies never replace
+      it; only a ``shapes_model`` strategy changes it, in place.
     * ``optimizer``: the inner torch optimizer (a strategy may replace it, e.g. LARS).
     * ``ddp_options``: keyword arguments for ``DistributedDataParallel`` (bucket size...).
     * ``model_wrappers``: ``fn(module) -> module`` applied in order when the model is built;
@@ -139,7 +140,11 @@ class Strategy(abc.ABC):
       its own when both apply (the planner sorts by these relations, never by a number);
     * ``implicit``: enabled without a switch, like data parallel;
     * ``replaces_plan``: when it applies, it is the plan's only applied strategy: it chooses
-      the others itself (``auto``), which are listed as deferred to it.
+      the others itself (``auto``), which are listed as deferred to it;
+    * ``shapes_model``: its ``apply`` changes the model in place (sharding swaps parameters for
+      shards), so the fleet applies the plan as soon as the model is given to
+      ``distributed_model``: an optimizer built from ``model.parameters()`` afterwards sees the
+      changed parameters.
     """
 
     name: ClassVar[str]
@@ -149,6 +154,7 @@ class Strategy(abc.ABC):
     runs_before: ClassVar[tuple[type["Strategy"], ...]] = ()
     implicit: ClassVar[bool] = False
     replaces_plan: ClassVar[bool] = False
+    shapes_model: ClassVar[bool] = False
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

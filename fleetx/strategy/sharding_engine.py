@@ -1,0 +1,207 @@
+"""The PyTorch engines behind ``strategy.sharding``, and the rebinding of the user's optimizer.
+
+* Stage 1: :func:`zero_optimizer` turns the user's optimizer into a
+  ``torch.distributed.optim.ZeroRedundancyOptimizer`` over the sharding group (same class, groups
+  and defaults); each rank keeps the state of its share of the parameters, steps them and
+  broadcasts them. The model keeps ``DistributedDataParallel`` over the whole world.
+* Stages 2 and 3: :func:`shard_in_place` applies FSDP2 ``fully_shard`` to the user's module, in
+  place: first to each sub-module unit (:func:`sharding_units`), then to the root, so at stage 3
+  a unit's parameters are gathered for its forward and freed after it. Parameters become
+  ``DTensor`` shards; gradients are reduce-scattered, so no DDP runs. :func:`rebound_optimizer`
+  then gives the optimizer the new parameters.
+
+Both are idempotent: the fleet re-plans at every ``distributed_model`` / ``distributed_optimizer``
+call, and a second call finds the module already sharded (a record on the module) and the
+optimizer already rebuilt (a record on the user's optimizer).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.utils.weak import WeakIdKeyDictionary
+
+from fleetx.strategy.api import StrategyError
+
+__all__ = ["ShardRecord", "sharding_units", "shard_in_place", "rebound_optimizer",
+           "zero_optimizer", "sharding_group"]
+
+# The record a sharded module carries, and the optimizers built for a user's optimizer.
+_RECORD = "_fleetx_sharding"
+_BUILT = "_fleetx_sharding_built"
+# Process groups of a sharding layout, made once per default group: every rank must create
+# every group in the same order, and a re-plan must not make new ones.
+_GROUPS: dict[tuple, Any] = {}
+
+
+@dataclass
+class ShardRecord:
+    """How a module was sharded, and the qualified name of each of its original parameters
+    (held weakly: an optimizer built before sharding maps its parameters through it)."""
+
+    stage: int
+    mesh_shape: tuple[int, ...]
+    names: Any = field(default_factory=WeakIdKeyDictionary, repr=False)
+
+
+def _candidates(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
+    """Children holding parameters, looking through containers that are never called."""
+    for name, child in module.named_children():
+        qualified = f"{prefix}{name}"
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            yield from _candidates(child, qualified + ".")
+        elif any(True for _ in child.parameters()):
+            yield qualified, child
+
+
+def sharding_units(model: nn.Module) -> list[nn.Module]:
+    """The sub-modules that become FSDP units of their own before the root: each child holding
+    parameters (the children of a ``ModuleList`` / ``ModuleDict``, which is never called).
+
+    A child sharing a parameter with a module outside it (tied embedding and output weights)
+    stays in the root unit: sharding it alone would split the tie into two parameters.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> [type(u).__name__ for u in sharding_units(m)]
+        ['Linear', 'Linear']
+    """
+    owners: dict[int, list[str]] = defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)].append(name)
+    units = []
+    for prefix, child in _candidates(model, ""):
+        inside = prefix + "."
+        if all(n.startswith(inside) for p in child.parameters() for n in owners[id(p)]):
+            units.append(child)
+    return units
+
+
+def device_mesh(device: str, mesh_shape: tuple[int, int]) -> Any:
+    """FSDP2's mesh: 1-D over one sharding group, or ``(replicate, shard)`` (HSDP) when
+    sharding groups are replicated over data-parallel groups (the layout of
+    :class:`~fleetx.strategy.topology.Topology`)."""
+    dp, sharding = mesh_shape
+    if dp == 1:
+        return init_device_mesh(device, (sharding,))
+    return init_device_mesh(device, (dp, sharding), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
+                   device: str) -> ShardRecord:
+    """Apply FSDP2 ``fully_shard`` to ``model`` in place (stage 2 keeps the parameters gathered
+    from forward to backward, stage 3 frees them after each unit's forward); a module already
+    sharded the same way is left as it is.
+
+    Raises:
+        StrategyError: the module was already sharded at another stage or layout (FSDP2 cannot
+            be undone: build a fresh model).
+    """
+    record = model.__dict__.get(_RECORD)
+    if record is not None:
+        if (record.stage, record.mesh_shape) != (stage, tuple(mesh_shape)):
+            raise StrategyError(
+                f"sharding: the model was already sharded at stage {record.stage} over a "
+                f"{record.mesh_shape} mesh and is now asked for stage {stage} over "
+                f"{tuple(mesh_shape)}; sharding cannot be undone: wrap a fresh model")
+        return record
+    record = ShardRecord(stage, tuple(mesh_shape))
+    for name, p in model.named_parameters():
+        record.names[p] = name
+    mesh = device_mesh(device, mesh_shape)
+    reshard = stage == 3
+    for unit in sharding_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    model.__dict__[_RECORD] = record
+    return record
+
+
+def _cached(optimizer: torch.optim.Optimizer, key: tuple,
+            build: Callable[[], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The optimizer built for ``optimizer`` under ``key``, built once (a re-plan reuses it
+    with its state)."""
+    built = optimizer.__dict__.get(_BUILT)
+    if built is not None and built[0] == key:
+        return built[1]
+    if optimizer.state:
+        raise StrategyError(
+            f"sharding: the {type(optimizer).__name__} given to fleet.distributed_optimizer "
+            f"already holds state (it has stepped); sharding rebuilds it over the sharded "
+            f"parameters and would drop that state: create the optimizer fresh, or load its "
+            f"state after distributed_optimizer")
+    new = build()
+    optimizer.__dict__[_BUILT] = (key, new)
+    return new
+
+
+def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class and defaults over ``groups``."""
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except TypeError as err:
+        raise StrategyError(
+            f"sharding: cannot rebuild {type(optimizer).__name__} over the sharded parameters "
+            f"from its defaults ({err}); its constructor must accept its own defaults as "
+            f"keyword arguments") from None
+
+
+def rebound_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
+                      record: ShardRecord) -> torch.optim.Optimizer:
+    """``optimizer`` itself when it already holds the sharded parameters, else a new one of the
+    same class, groups and hyperparameters over them (old parameter -> name -> new parameter).
+
+    Raises:
+        StrategyError: the optimizer holds a parameter that is not the model's, or already
+            holds state.
+    """
+    current = dict(model.named_parameters())
+    mine = {id(p) for p in current.values()}
+    groups, moved = [], False
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            name = None if id(p) in mine else record.names.get(p)
+            if id(p) not in mine and name is None:
+                raise StrategyError(
+                    f"sharding: the optimizer holds a parameter of shape {tuple(p.shape)} that "
+                    f"is not a parameter of the model given to fleet.distributed_model")
+            params.append(p if name is None else current[name])
+            moved = moved or name is not None
+        groups.append(dict(group, params=params))
+    if not moved:
+        return optimizer
+    key = ("fsdp", id(model), record.stage)
+    return _cached(optimizer, key, lambda: _same_kind(optimizer, groups))
+
+
+def sharding_group(groups: list[list[int]], rank: int) -> Any:
+    """This rank's process group among ``groups`` (the sharding groups); None (the default
+    group) when there is one group. Every rank creates every group, once per default group."""
+    if len(groups) == 1:
+        return None
+    key = (id(dist.group.WORLD), tuple(map(tuple, groups)))
+    if key not in _GROUPS:
+        made = [dist.new_group(ranks) for ranks in groups]
+        _GROUPS[key] = next(g for g, ranks in zip(made, groups) if rank in ranks)
+    return _GROUPS[key]
+
+
+def zero_optimizer(optimizer: torch.optim.Optimizer, group: Optional[Any]) -> ZeroRedundancyOptimizer:
+    """A ``ZeroRedundancyOptimizer`` over ``group`` with ``optimizer``'s class, parameter groups
+    and defaults (built once per user optimizer; a re-plan reuses it).
+
+    Raises:
+        StrategyError: the user's optimizer already holds state.
+    """
+    groups = [dict(g) for g in optimizer.param_groups]
+    key = ("zero", id(group), tuple(id(p) for g in groups for p in g["params"]))
+    return _cached(optimizer, key, lambda: ZeroRedundancyOptimizer(
+        groups, optimizer_class=type(optimizer), process_group=group, **optimizer.defaults))
