@@ -11,14 +11,17 @@ Layout of the save folder (``path/save-<id>/``)::
     .metadata, __<r>_0.distcp     DCP: "model.<name>", "optim.state.<name>.<key>",
                                   "optim.param_groups.<name>.<key>" (names as in
                                   ``named_parameters()``), and each rank's own tensors
-                                  "fleetx/rank<r>/..." (strategy tensors, gradients)
+                                  "fleetx/rank<r>/..." (strategy tensors, gradients, and
+                                  its copy of the replicated tensors if the ranks' differ)
     fleetx.json                   rank 0: format, world size, applied strategies, ``extra``
     strategy-rank<r>.json         rank r: each strategy's state, tensors as references
 
 What is global and what is per rank:
 
 * parameters, optimizer moments and step counts, learning rates: global; they load exactly at
-  any world size and under any strategy (DCP re-shards them).
+  any world size and under any strategy (DCP re-shards them). When the ranks' replicated
+  copies differ at the save (Local SGD between averages, its momenta), each rank loads its own
+  copy at the same world size and rank 0's at another.
 * strategy state (loss scale, Local SGD and adaptive Local SGD counters, gradient-merge
   micro-step, DGC step, traffic counters) and gradients still being accumulated (gradient
   merge between updates): saved by every rank. At the same world size each rank loads its
@@ -27,7 +30,9 @@ What is global and what is per rank:
   does when it starts, and gradients start from none, so save at an update boundary
   (``minimize`` returned True) to resume at another world size without losing micro-steps.
 * strategies applied now but absent from the checkpoint keep their fresh state; state of
-  strategies not applied now is ignored.
+  strategies not applied now is ignored, and so is state a strategy creates only with the
+  engine at the first forward (data parallel's traffic counters, a diagnostic) when loading
+  before it.
 """
 from __future__ import annotations
 
@@ -109,10 +114,12 @@ def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manif
     prefix = f"fleetx/rank{ts.rank}/"
     record = {"strategies": _encode(_strategy_dicts(ts), prefix + "strategy", tensors),
               "grads": _encode(_local_grads(ts.module), prefix + "grad", tensors)}
-    state: dict[str, Any] = {"model": get_model_state_dict(ts.module), **tensors}
+    state: dict[str, Any] = {"model": get_model_state_dict(ts.module)}
     optimizer = _torch_optimizer(ts.optimizer)
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(ts.module, optimizer, options=_OPTIM)
+    record["replica"] = _replica(ts, state, prefix + "replica", tensors)
+    state.update(tensors)
     with _quiet_single_process(ts):
         dcp.save(state, storage_writer=dcp.FileSystemWriter(writer.folder),
                  no_dist=ts.world_size <= 1)
@@ -155,6 +162,7 @@ def load(path: str, ts: TrainingState) -> dict:
                               f"this version reads {FORMAT}", ckpt.path(META))
     same = meta["world_size"] == ts.world_size
     record = ckpt.read_json(_state_file(ts.rank if same else 0))
+    replica = record.get("replica")
     reader = dcp.FileSystemReader(ckpt.folder)
     available = reader.read_metadata().state_dict_metadata
     optimizer = _torch_optimizer(ts.optimizer)
@@ -163,9 +171,12 @@ def load(path: str, ts: TrainingState) -> dict:
         _check_model_keys(ckpt, state["model"], available)
         if optimizer is not None:
             state["optim"] = _optimizer_template(ts.module, optimizer, available)
-        refs = _tensor_templates(record, available) if same else {}
+        refs = _tensor_templates(record if same else {"replica": replica}, available)
         with _quiet_single_process(ts):
             dcp.load({**state, **refs}, storage_reader=reader, no_dist=ts.world_size <= 1)
+        for key, value in _decode(replica or {}, refs, True).items():
+            section, name = key.split(".", 1)  # this rank's copy (rank 0's at another size)
+            state[section][name] = value
         set_model_state_dict(ts.module, state["model"])
         if optimizer is not None:
             _set_optimizer(ts.module, optimizer, state["optim"], ts.optimizer)
@@ -204,6 +215,23 @@ def _state_file(rank: int) -> str:
 def _strategy_dicts(ts: TrainingState) -> dict:
     return {name: value.state_dict() if hasattr(value, "state_dict") else value
             for name, value in (ts.strategy_state or {}).items()}
+
+
+def _replica(ts: TrainingState, state: dict, key: str, tensors: dict) -> Any:
+    """This rank's copy of the replicated tensors when the ranks' copies differ, else None.
+
+    DCP writes a replicated tensor once, as if all ranks held the same. They do under data
+    parallel, but not under Local SGD between averages, nor its momenta ever: then every rank
+    also saves its own copy, to load back at the same world size (rank 0's at another)."""
+    plain = {f"{section}.{k}": v for section, part in state.items() for k, v in part.items()
+             if isinstance(v, torch.Tensor) and not hasattr(v, "to_local")}
+    digest = hashlib.sha256()
+    for name in sorted(plain):
+        digest.update(name.encode())
+        digest.update(plain[name].detach().cpu().reshape(-1).view(torch.uint8).numpy())
+    if len(set(_gather(ts, digest.hexdigest()))) <= 1:
+        return None
+    return _encode(plain, key, tensors)
 
 
 def _local_grads(module: nn.Module) -> dict:
