@@ -29,7 +29,7 @@ __all__ = ["apply_plan", "run_trial", "TRIAL_STEPS"]
 
 # One untimed step (first-call allocations, DDP's bucket rebuild), then the timed ones; the
 # median resists one slow step on a shared machine.
-WARMUP_STEPS, TRIAL_STEPS = 1, 3
+WARMUP_STEPS, TRIAL_STEPS = 1, 5
 
 
 def apply_plan(plan: Plan, strategy: Any, world: WorldInfo, model: Optional[torch.nn.Module],
@@ -89,7 +89,8 @@ def _sync(world: WorldInfo) -> None:
 def _step(world: WorldInfo, model: DistributedModel, opt: DistributedOptimizer, args: tuple,
           kwargs: dict) -> tuple[float, int, int]:
     """One training step: (seconds, state bytes after backward, bytes saved for backward)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+              for p in model.parameters()}
     saved: dict[int, int] = {}
     _sync(world)
     start = time.perf_counter()
@@ -126,7 +127,8 @@ def run_trial(world: WorldInfo, strategy: Any, model: torch.nn.Module,
             state, saved = max(state, state_now), max(saved, saved_now)
             if step >= WARMUP_STEPS:
                 times.append(seconds)
-        return Measurement(statistics.median(times), state, saved)
+        return Measurement(statistics.median(times), state, saved,
+                           spread=max(times) - min(times))
     except torch.OutOfMemoryError as err:
         return Measurement(float("inf"), 0, 0, f"out of memory: {str(err).splitlines()[0]}")
     finally:

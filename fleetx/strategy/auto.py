@@ -48,8 +48,9 @@ _MIB = 1024 * 1024
 # The switches auto may turn on, in the order a candidate's name lists them.
 _SEARCHED = ("amp", "recompute", "sharding")
 # A few steps on a shared machine time a plan to within several per cent, not better: plans
-# within this fraction of the fastest count as equally fast, and the one that switches on the
-# fewest strategies wins among them (a plain plan is not traded for noise).
+# within this fraction of the fastest (or within the two plans' step-to-step spread, when that
+# is wider) count as equally fast, and the one that switches on the fewest strategies wins among
+# them (a plain plan is not traded for noise).
 NOISE = 0.10
 
 
@@ -71,12 +72,14 @@ class Measurement:
         state_bytes: parameter + gradient + optimizer bytes held by this process.
         saved_bytes: bytes saved for backward during one forward.
         error: why the candidate could not run (out of memory), else ``""``.
+        spread: slowest minus fastest of the timed steps (how noisy ``seconds`` is).
     """
 
     seconds: float
     state_bytes: int
     saved_bytes: int
     error: str = ""
+    spread: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -200,14 +203,21 @@ def choose(names: Sequence[str], measurements: Sequence[Measurement], budget_byt
     fits = [i for i in ran if measurements[i].peak_bytes <= budget_bytes]
     sizes = list(sizes) if sizes is not None else [0] * len(names)
     if fits:
-        fastest = min(measurements[i].seconds for i in fits)
-        near = [i for i in fits if measurements[i].seconds <= fastest * (1 + NOISE)]
-        winner = min(near, key=lambda i: (sizes[i], measurements[i].seconds, i))
+        best = min(fits, key=lambda i: (measurements[i].seconds, i))
+        fastest = measurements[best].seconds
+
+        def near(i: int) -> bool:
+            m = measurements[i]
+            noise = max(NOISE * fastest, m.spread + measurements[best].spread)
+            return m.seconds - fastest <= noise
+
+        winner = min((i for i in fits if near(i)),
+                     key=lambda i: (sizes[i], measurements[i].seconds, i))
         others = [i for i in fits if i != winner]
         if others:
             runner = min(others, key=lambda i: measurements[i].seconds)
             lead = "fastest" if measurements[winner].seconds == fastest else \
-                f"within {NOISE:.0%} of the fastest and the simplest"
+                "as fast as the fastest within the timing noise, and the simplest"
             reason = (f"{lead} of the {len(fits)} plans that fit the budget "
                       f"({measurements[winner].seconds * 1e3:.2f} ms/step; next "
                       f"{names[runner]!r} {measurements[runner].seconds * 1e3:.2f} ms/step)")
@@ -299,12 +309,13 @@ def _agree(world: Any, report_inputs: tuple[list[Measurement], int]) -> tuple[li
                          float(m.saved_bytes) if not m.error else big] for m in measured]
                        + [[-float(budget), 0.0]], dtype=torch.float64, device=device)
     dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the budget row carries -budget: MAX is MIN
-    times = torch.tensor([m.seconds for m in measured], dtype=torch.float64, device=device)
+    times = torch.tensor([[m.seconds, m.spread] for m in measured], dtype=torch.float64,
+                         device=device)
     dist.broadcast(times, src=0)
     agreed = []
-    for m, (state, saved), t in zip(measured, mem[:-1].tolist(), times.tolist()):
+    for m, (state, saved), (t, spread) in zip(measured, mem[:-1].tolist(), times.tolist()):
         error = m.error or ("out of memory on another rank" if state >= big else "")
-        agreed.append(Measurement(t, int(state), int(saved), error) if not error
+        agreed.append(Measurement(t, int(state), int(saved), spread=spread) if not error
                       else Measurement(math.inf, 0, 0, error))
     return agreed, int(-mem[-1, 0].item())
 

@@ -99,6 +99,8 @@ def test_choose_prefers_the_simpler_plan_within_the_noise():
     assert report.winner_name == "plain" and "simplest" in report.reason
     far = 1.0 / (1 + 2 * NOISE)
     assert choose(names, [_m(1.0, 1), _m(far, 1)], 10 * MIB, sizes=[0, 1]).winner_name == "amp"
+    noisy = [Measurement(1.0, MIB, 0, spread=0.3), Measurement(far, MIB, 0, spread=0.1)]
+    assert choose(names, noisy, 10 * MIB, sizes=[0, 1]).winner_name == "plain"
 
 
 def test_choose_without_a_fitting_plan_takes_the_smallest_and_names_failures():
