@@ -81,8 +81,9 @@ class TopLevelConfig(Config):
         no_effect="no such cuDNN switch in PyTorch")
     adaptive_localsgd: bool = option(False, "Adaptive local SGD (adaptive_localsgd_configs).")
     fp16_allreduce: bool = option(False, "Cast gradients to float16 for all-reduce.")
-    sharding: bool = option(False, "ZeRO-style sharding (sharding_configs).",
-                            no_effect=ShardingConfig.no_effect)
+    sharding: bool = option(
+        False, "ZeRO-style sharding of optimizer state, gradients, parameters by stage "
+        "(sharding_configs).")
     last_comm_group_size_MB: float = option(
         1.0, "Size in MB of the last gradient bucket (filled first in backward).", gt=0,
         no_effect="DDP sizes its first bucket itself")

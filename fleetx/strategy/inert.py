@@ -1,7 +1,7 @@
 """Settings fleetx accepts but does not act on, named in the plan instead of ignored silently.
 
 Some of Paddle's settings describe machinery PyTorch does not have (static-graph passes, cuDNN
-workspace limits, fusion by TFLOPS), features fleetx does not offer yet (pipeline, sharding,
+workspace limits, fusion by TFLOPS), features fleetx does not offer yet (pipeline,
 tensor and hybrid parallelism, recompute's offload) or parameter-server knobs with nothing to tune here. A
 script written for Paddle may set them; rejecting it would break the script, and ignoring them
 silently would mislead. Each such setting declares why where it is declared

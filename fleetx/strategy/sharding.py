@@ -1,14 +1,26 @@
-"""Sharding, ZeRO-style partitioning of training state (``strategy.sharding``): a config only.
+"""Sharding, ZeRO-style partitioning of training state (``strategy.sharding``).
 
-**No effect yet.** ``strategy.sharding`` and ``sharding_configs`` are accepted and checked, so
-Paddle scripts and saved strategies load, but nothing in fleetx acts on them: every rank keeps
-the whole optimizer state, and the plan names the switch and the keys when they are set.
-``ShardingConfig.no_effect`` is the one declaration to change when sharding is implemented.
+Each rank of a sharding group keeps only its share of the training state, and the group's
+``sharding_degree`` ranks together hold one copy. ``sharding_configs['stage']`` picks what is
+sharded, on PyTorch's own engines (``sharding_engine.py``):
 
-What the settings mean in Paddle: optimizer state, gradients and optionally parameters are split
-over the ``sharding_degree`` ranks of a group; broadcasts are fused into segments cut every
-``segment_broadcast_MB`` or at ``segment_anchors``; the other degrees combine it with data,
-tensor and pipeline parallelism.
+* stage 1, optimizer state: the inner optimizer becomes a ``ZeroRedundancyOptimizer`` over the
+  sharding group (same class, parameter groups and defaults); each rank steps its share of the
+  parameters and broadcasts them. The model stays under ``DistributedDataParallel``.
+* stage 2, also gradients: FSDP2 ``fully_shard(reshard_after_forward=False)`` on each
+  sub-module holding parameters and on the root; gradients are reduce-scattered, and the
+  parameters stay gathered from forward to backward.
+* stage 3, also parameters: ``fully_shard`` with ``reshard_after_forward=True``: each unit's
+  parameters are gathered for its forward and its backward, and freed in between.
+
+Stages 2 and 3 change the user's module in place when it is given to ``distributed_model``
+(parameters become ``DTensor`` shards); no DDP runs, and an optimizer built before is rebuilt
+over the shards. With ``dp_degree`` > 1 (``hybrid_dp``) the sharding groups are replicated over
+data-parallel groups: stage 1 shards over its group under world-wide DDP, stages 2 and 3 use
+FSDP2's 2-D ``(replicate, shard)`` mesh. The degrees follow :mod:`fleetx.strategy.topology`.
+Results equal plain data parallel (to rounding): every stage computes the same averaged
+gradient and the same update. Paddle's segment and cast keys, which tune its static-graph pass,
+are accepted and declared without effect.
 """
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +69,6 @@ class ShardingConfig(Config):
     """
 
     section = "sharding_configs"
-    no_effect = "sharding is not implemented yet"
     aliases = {"fuse_broadcast_MB": "segment_broadcast_MB",
                "sharding_group_size": "sharding_degree"}
     synonyms = {"offload": "optimize_offload"}

@@ -103,7 +103,27 @@ def _cases(rank: int, world: int, out: str) -> None:
     results["stage3_optimizer_first"] = train(rank, world, strategy(3), optimizer_first=True)[
         "state"]
     results["amp"] = train(rank, world, strategy(amp=True))["state"]
+    results["stepped_refused"] = _stepped_optimizer_error(strategy(3))
     torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def _stepped_optimizer_error(s) -> str:
+    """The error of rebuilding an optimizer that already stepped over the shards."""
+    from fleetx import fleet
+    from fleetx.strategy.api import StrategyError
+    fleet.init(is_collective=True, strategy=s)
+    plain = make_model()
+    opt = torch.optim.Adam(plain.parameters(), lr=LR)
+    plain(torch.ones(1, 6)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fleet.distributed_optimizer(opt)
+        try:
+            fleet.distributed_model(plain)
+        except StrategyError as err:
+            return str(err)
+    return ""
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +200,9 @@ def test_four_processes_stage3_and_hybrid_data_parallel_equal_one_process(tmp_pa
     for r in run_and_load(_four, 4, tmp_path):
         for case in ("stage3", "stage1_hybrid", "stage3_hybrid"):
             assert max_diff(r[case], want) <= 1e-5, case
+
+
+def test_an_optimizer_that_already_stepped_is_refused(ranks):
+    for r in ranks:
+        assert r["stepped_refused"].startswith(
+            "sharding: the Adam given to fleet.distributed_optimizer already holds state")

@@ -37,6 +37,10 @@ SCENARIOS = [
     (dict(adaptive_localsgd=True), WorldInfo(world_size=2), "sgd", True),
     (dict(recompute=True, recompute_configs={"checkpoints": ["0", "2"]}),
      WorldInfo(world_size=2), "sgd", True),
+    # Stage 1 on a 2-process plan over the 1-process group (ZeroRedundancyOptimizer runs on it).
+    (dict(sharding=True, sharding_configs={"stage": 1, "sharding_degree": 2, "dp_degree": 1,
+                                           "hybrid_dp": False}),
+     WorldInfo(world_size=2), "adam", True),
     # The hierarchy needs several nodes: applied only (its reads happen in apply).
     (dict(use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2,
           sync_batch_norm=True, execution_strategy={"num_threads": 2}),
