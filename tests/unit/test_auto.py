@@ -60,7 +60,7 @@ def test_candidates_search_the_unset_switches_only():
     assert found[1].strategy.recompute_configs["checkpoints"] == [f"0.{i}" for i in range(DEPTH)]
     two = WorldInfo(world_size=2)
     names = [c.name for c in candidates(fixed, PlanInput(fixed, two, model))]
-    assert names[:2] == ["data parallel", "recompute"]
+    assert names[0] == "data parallel" and "recompute" in names
     sharding = [n for n in names if n.startswith("sharding")]
     from fleetx.strategy.fields import TopLevelConfig
     from fleetx.strategy.sharding import ShardingConfig
