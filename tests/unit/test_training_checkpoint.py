@@ -177,3 +177,13 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, 
     g.save_checkpoint(str(ckpt), extra={"step": 3})  # the next save removes the killed one
     (left,) = ckpt.glob("save-*")
     assert left.name == json.loads((ckpt / "manifest.json").read_text())["folder"]
+
+
+def test_the_documented_example_runs(tmp_path):
+    text = (ROOT / "docs" / "reliability.md").read_text(encoding="utf-8")
+    section = text.split("### Training checkpoints of collective jobs", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    scope = {"torch": torch, "CKPT": str(tmp_path / "ckpt")}
+    exec(compile(example, "docs/reliability.md", "exec"), scope)
+    assert scope["step"] == 1
+    assert (tmp_path / "ckpt" / "manifest.json").is_file()
