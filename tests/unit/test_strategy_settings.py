@@ -45,6 +45,8 @@ SCENARIOS = [
     (dict(use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2,
           sync_batch_norm=True, execution_strategy={"num_threads": 2}),
      WorldInfo(world_size=4, local_world_size=2, device="cuda"), "sgd", False),
+    # auto measures in the fleet at the first training forward: applied only here.
+    (dict(auto=True), WorldInfo(world_size=2), "sgd", False),
     (dict(a_sync=True, a_sync_configs={"k_steps": 0}), WorldInfo(mode=Mode.PS), "sgd", True),
     # With servers the mode reaches the cluster config (nothing connects before init_worker).
     (dict(a_sync=False), WorldInfo(mode=Mode.PS, server_num=1,
@@ -176,12 +178,10 @@ def test_the_recorder_sees_reads_through_copies_only_when_read():
                                                   "scheduler"),
     ({"recompute": True, "recompute_configs": {"checkpoints": ["0"], "enable_offload": True}},
      "recompute_configs.enable_offload (offload is not implemented: on CPU the kept inputs"),
-    ({"sharding": True}, "sharding (sharding is not implemented yet)"),
     ({"pipeline": True}, "pipeline (pipeline parallelism is not implemented yet)"),
     ({"tensor_parallel": True}, "tensor_parallel (tensor parallelism is not implemented yet)"),
     ({"hybrid_configs": {"mp_degree": 2}},
      "hybrid_configs.mp_degree (tensor parallelism is not implemented yet)"),
-    ({"auto": True}, "auto (fleetx has no automatic strategy search)"),
 ])
 def test_the_plan_names_settings_without_effect(fields, named):
     plan = make_plan(PlanInput(_strategy(fields), WorldInfo()))
