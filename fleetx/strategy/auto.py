@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from fleetx.strategy.api import (Mode, ModelInfo, PlanInput, Strategy, StrategyError,
                                  TrainingContext, Verdict, register)
+from fleetx.strategy.measured import measure
 
 __all__ = ["AutoStrategy", "Candidate", "Measurement", "SearchReport", "candidates", "choose",
            "repeated_blocks", "memory_budget", "held_bytes", "BUDGET_VARIABLE"]
@@ -238,24 +239,9 @@ def choose(names: Sequence[str], measurements: Sequence[Measurement], budget_byt
 
 
 def held_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> int:
-    """Bytes of the parameters, gradients and optimizer state this process holds (local
-    shards of distributed tensors), each storage counted once."""
-    seen: dict[int, int] = {}
-
-    def add(t: Any) -> None:
-        if isinstance(t, torch.Tensor):
-            local = t.to_local() if hasattr(t, "to_local") else t
-            storage = local.untyped_storage()
-            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            for value in state.values():
-                add(value)
-    return sum(seen.values())
+    """Bytes of the parameters, gradients and optimizer state this process holds, counted as
+    ``fleet.state_bytes()`` counts them (:func:`fleetx.strategy.measured.measure`)."""
+    return sum(measure([model], optimizer).values())
 
 
 def memory_budget(world: Any, held: int) -> tuple[int, str]:
