@@ -3,7 +3,7 @@
 ``hybrid_configs`` is the source of truth for the degrees; the same degrees written in
 ``sharding_configs`` or ``tensor_parallel_configs`` fill its keys when they are unset
 (:func:`fleetx.strategy.topology.resolve` holds the rule). ``dp_degree`` and
-``sharding_degree`` act with ``strategy.sharding`` (they share its ``no_effect`` declaration);
+``sharding_degree`` act with ``strategy.sharding``;
 ``mp_degree`` and ``pp_degree`` have no effect: tensor and pipeline parallelism are not
 implemented yet, and with sharding on a value other than 1 is refused.
 
@@ -14,8 +14,6 @@ left). There is no on/off switch: in Paddle 2.2's dynamic graph the degrees alon
 from dataclasses import dataclass
 
 from fleetx.strategy.config import Config, option
-# The degrees that sharding reads act exactly when sharding does: one declaration for both.
-from fleetx.strategy.sharding import ShardingConfig
 
 __all__ = ["HybridConfig"]
 
@@ -33,7 +31,7 @@ class HybridConfig(Config):
 
     dp_degree: int = option(
         -1, "Data parallel degree: sharding groups replicated; -1 infers it from the world size.",
-        ge=1, also=(-1,), no_effect=ShardingConfig.no_effect)
+        ge=1, also=(-1,))
     mp_degree: int = option(
         1, "Tensor (model) parallel degree (refused with sharding on unless 1).", ge=1,
         no_effect="tensor parallelism is not implemented yet")
@@ -42,5 +40,4 @@ class HybridConfig(Config):
         no_effect="pipeline parallelism is not implemented yet")
     sharding_degree: int = option(
         1, "Ranks in one sharding group (needs strategy.sharding); fills from "
-        "sharding_configs['sharding_degree'] when unset.", ge=1,
-        no_effect=ShardingConfig.no_effect)
+        "sharding_configs['sharding_degree'] when unset.", ge=1)
