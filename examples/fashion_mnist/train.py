@@ -10,7 +10,6 @@ training loss, the test accuracy over the whole test set (counted on every rank 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,8 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402  (the example's own loader, beside this file)
 import evaluate  # noqa: E402  (the test accuracy, beside this file)
+from progress import Progress  # noqa: E402  (examples/progress.py, shared by the examples)
 
 from fleetx import fleet  # noqa: E402
 
@@ -42,34 +43,6 @@ class Net(nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = self.drop(F.relu(self.fc1(x.flatten(1))))
         return self.fc2(x)
-
-
-class Progress:
-    """A progress bar on a terminal; in a log file, one plain line every ``every`` seconds."""
-
-    def __init__(self, total: int, enabled: bool, every: float = 5.0) -> None:
-        self.total, self.enabled, self.every = total, enabled, every
-        self.tty = sys.stdout.isatty() or os.environ.get("FLEETX_TTY") == "1"
-        self.start = self.last = time.monotonic()
-
-    def update(self, done: int, loss: float) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not self.tty and now - self.last < self.every):
-            return
-        self.last = now
-        rate = done / max(now - self.start, 1e-9)
-        if self.tty:
-            filled = int(30 * done / self.total)
-            bar = "#" * filled + "." * (30 - filled)
-            print(f"\r  [{bar}] {done}/{self.total} loss {loss:.4f} {rate:,.0f} samples/s",
-                  end="", flush=True)
-        else:
-            print(f"  {done}/{self.total} samples, loss {loss:.4f}, {rate:,.0f} samples/s",
-                  flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.tty:
-            print(flush=True)
 
 
 def main() -> None:
