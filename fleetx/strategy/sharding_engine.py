@@ -51,11 +51,17 @@ class ShardRecord:
     names: Any = field(default_factory=WeakIdKeyDictionary, repr=False)
 
 
+# Containers looked through: a ModuleList / ModuleDict is never called, and a model may iterate
+# over a Sequential instead of calling it (FSDP2 gathers a unit in its forward hook, which a
+# loop over the container skips). Their children are called either way.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def _candidates(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    """Children holding parameters, looking through containers that are never called."""
+    """Children holding parameters, looking through containers."""
     for name, child in module.named_children():
         qualified = f"{prefix}{name}"
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+        if isinstance(child, _CONTAINERS):
             yield from _candidates(child, qualified + ".")
         elif any(True for _ in child.parameters()):
             yield qualified, child
@@ -63,7 +69,8 @@ def _candidates(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module
 
 def sharding_units(model: nn.Module) -> list[nn.Module]:
     """The sub-modules that become FSDP units of their own before the root: each child holding
-    parameters (the children of a ``ModuleList`` / ``ModuleDict``, which is never called).
+    parameters (the children of a ``ModuleList``, ``ModuleDict`` or ``Sequential`` child, which
+    a model may iterate over rather than call).
 
     A child sharing a parameter with a module outside it (tied embedding and output weights)
     stays in the root unit: sharding it alone would split the tie into two parameters.

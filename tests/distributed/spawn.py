@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -22,17 +23,29 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
     fn(rank, world, *args)
 
 
-def run(fn: Callable, world: int, *args: Any) -> None:
-    """Start ``fn(rank, world, *args)`` on ``world`` fresh processes and wait; raise if any fails."""
-    mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world,
-                       start_method="spawn", join=True)
+def run(fn: Callable, world: int, *args: Any, deadline: Optional[float] = None) -> None:
+    """Start ``fn(rank, world, *args)`` on ``world`` fresh processes and wait; raise if any fails.
+
+    With ``deadline`` (seconds), processes still running then are killed and ``TimeoutError``
+    is raised (a test of something that could hang must not hang the suite)."""
+    context = mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world,
+                                 start_method="spawn", join=deadline is None)
+    if deadline is None:
+        return
+    end = time.monotonic() + deadline
+    while not context.join(timeout=max(0.0, min(1.0, end - time.monotonic()))):
+        if time.monotonic() >= end:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"the {world} processes did not finish within {deadline:.0f} s")
 
 
-def run_and_load(fn: Callable, world: int, out: Path) -> list:
+def run_and_load(fn: Callable, world: int, out: Path, deadline: Optional[float] = None) -> list:
     """``run(fn, world, out)``, where each rank saves its results to ``out/rank<r>.pt``; the
     ranks' results, in rank order."""
     import torch
-    run(fn, world, str(out))
+    run(fn, world, str(out), deadline=deadline)
     return [torch.load(Path(out) / f"rank{r}.pt") for r in range(world)]
 
 
