@@ -1,0 +1,11 @@
+"""``fleet.meta_parallel``: Paddle's import path for the model-parallel pieces.
+
+Everything here lives in :mod:`fleetx.parallel`; this module only re-exports its public names,
+so that ``from fleetx.fleet import meta_parallel`` and ``fleet.meta_parallel.X`` work as in
+Paddle.
+"""
+from fleetx.parallel import (HybridCommunicateGroup, ParallelMode, RNGStatesTracker,
+                             get_rng_state_tracker, model_parallel_random_seed)
+
+__all__ = ["HybridCommunicateGroup", "ParallelMode", "RNGStatesTracker", "get_rng_state_tracker",
+           "model_parallel_random_seed"]
