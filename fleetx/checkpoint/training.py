@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from fleetx.checkpoint.api import CheckpointError, FileEntry, Manifest
 from fleetx.checkpoint.manifest import Checkpoint, SaveWriter
+from fleetx.checkpoint.records import decode, encode, local, tensor_templates
 from fleetx.optim.wrapper import OptimizerWrapper
 
 __all__ = ["TrainingState", "save", "load", "FORMAT"]
@@ -63,7 +64,6 @@ __all__ = ["TrainingState", "save", "load", "FORMAT"]
 #: format of ``fleetx.json``; a reader refuses any other
 FORMAT = 1
 META = "fleetx.json"
-_REF = "__tensor__"
 # Optimizer state keyed by parameter name ("state.<name>.exp_avg"), not by group index: ranks
 # owning different parameters (ZeRO) write different keys, and any layout reads them back.
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -112,8 +112,8 @@ def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manif
     writer = _joined_writer(path, ts)
     tensors: dict[str, torch.Tensor] = {}
     prefix = f"fleetx/rank{ts.rank}/"
-    record = {"strategies": _encode(_strategy_dicts(ts), prefix + "strategy", tensors),
-              "grads": _encode(_local_grads(ts.module), prefix + "grad", tensors)}
+    record = {"strategies": encode(_strategy_dicts(ts), prefix + "strategy", tensors),
+              "grads": encode(_local_grads(ts.module), prefix + "grad", tensors)}
     state: dict[str, Any] = {"model": get_model_state_dict(ts.module)}
     optimizer = _torch_optimizer(ts.optimizer)
     if optimizer is not None:
@@ -162,7 +162,6 @@ def load(path: str, ts: TrainingState) -> dict:
                               f"this version reads {FORMAT}", ckpt.path(META))
     same = meta["world_size"] == ts.world_size
     record = ckpt.read_json(_state_file(ts.rank if same else 0))
-    replica = record.get("replica")
     reader = dcp.FileSystemReader(ckpt.folder)
     available = reader.read_metadata().state_dict_metadata
     optimizer = _torch_optimizer(ts.optimizer)
@@ -171,17 +170,19 @@ def load(path: str, ts: TrainingState) -> dict:
         _check_model_keys(ckpt, state["model"], available)
         if optimizer is not None:
             state["optim"] = _optimizer_template(ts.module, optimizer, available)
-        refs = _tensor_templates(record if same else {"replica": replica}, available)
+        # Each rank's own copy of diverging replicas at the same world size, unless this job
+        # shards them (then every rank takes rank 0's, as at another size).
+        own = same and not any(_is_sharded(v) for part in state.values() for v in part.values())
+        replica = (record if own else ckpt.read_json(_state_file(0))).get("replica")
+        refs = tensor_templates(dict(record if same else {}, replica=replica), available)
         with _quiet_single_process(ts):
             dcp.load({**state, **refs}, storage_reader=reader, no_dist=ts.world_size <= 1)
-        for key, value in _decode(replica or {}, refs, True).items():
-            section, name = key.split(".", 1)  # this rank's copy (rank 0's at another size)
-            state[section][name] = value
+        _put_replica(state, decode(replica or {}, refs, True))
         set_model_state_dict(ts.module, state["model"])
         if optimizer is not None:
             _set_optimizer(ts.module, optimizer, state["optim"], ts.optimizer)
-    _restore_grads(ts.module, _decode(record.get("grads", {}), refs, same))
-    _load_strategies(ts, _decode(record.get("strategies", {}), refs, same))
+    _restore_grads(ts.module, decode(record.get("grads", {}), refs, same))
+    _load_strategies(ts, decode(record.get("strategies", {}), refs, same))
     return meta.get("extra") or {}
 
 
@@ -218,46 +219,49 @@ def _strategy_dicts(ts: TrainingState) -> dict:
 
 
 def _replica(ts: TrainingState, state: dict, key: str, tensors: dict) -> Any:
-    """This rank's copy of the replicated tensors when the ranks' copies differ, else None.
+    """This rank's copy of the replicated tensors whose copies differ between ranks, or None.
 
-    DCP writes a replicated tensor once, as if all ranks held the same. They do under data
-    parallel, but not under Local SGD between averages, nor its momenta ever: then every rank
-    also saves its own copy, to load back at the same world size (rank 0's at another)."""
+    DCP writes a tensor that several ranks hold once, as if they all held the same. They do
+    under data parallel, but not under Local SGD between averages, nor its momenta ever: then
+    every rank also saves its own copy of those, to load back at the same world size (rank
+    0's at another). A tensor only one rank holds (its share of a ZeRO partition) is not
+    replicated, and a DTensor (FSDP2) is written shard by shard."""
     plain = {f"{section}.{k}": v for section, part in state.items() for k, v in part.items()
              if isinstance(v, torch.Tensor) and not hasattr(v, "to_local")}
-    digest = hashlib.sha256()
-    for name in sorted(plain):
-        digest.update(name.encode())
-        digest.update(plain[name].detach().cpu().reshape(-1).view(torch.uint8).numpy())
-    if len(set(_gather(ts, digest.hexdigest()))) <= 1:
-        return None
-    return _encode(plain, key, tensors)
+    digests = {name: hashlib.sha256(t.detach().cpu().reshape(-1).view(torch.uint8).numpy())
+               .hexdigest() for name, t in plain.items()}
+    seen: dict[str, set] = {}
+    for part in _gather(ts, digests):
+        for name, digest in part.items():
+            seen.setdefault(name, set()).add(digest)
+    differ = {name: t for name, t in plain.items() if len(seen[name]) > 1}
+    return encode(differ, key, tensors) if differ else None
+
+
+def _put_replica(state: dict, copies: Mapping) -> None:
+    """Put saved copies of replicated tensors in place of what DCP loaded (one rank's copy).
+
+    A tensor this rank does not hold (another rank's share of a ZeRO partition) is skipped; a
+    DTensor takes its shard of the copy, which is then rank 0's on every rank, as shards of
+    different copies would not make one tensor."""
+    for key, value in copies.items():
+        section, name = key.split(".", 1)
+        held = state.get(section, {}).get(name)
+        if not isinstance(held, torch.Tensor):
+            continue
+        if _is_sharded(held):
+            value = distribute_tensor(value.to(held.to_local().device, held.dtype),
+                                      held.device_mesh, held.placements, src_data_rank=None)
+        state[section][name] = value
+
+
+def _is_sharded(tensor: Any) -> bool:
+    return hasattr(tensor, "device_mesh")
 
 
 def _local_grads(module: nn.Module) -> dict:
     """Gradients held now (accumulated between updates), this rank's part of each."""
-    return {name: _local(p.grad) for name, p in module.named_parameters() if p.grad is not None}
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    # A DTensor (FSDP2) contributes its local shard: per-rank state is plain tensors.
-    to_local = getattr(tensor, "to_local", None)
-    return (to_local() if to_local is not None else tensor).detach()
-
-
-def _encode(value: Any, key: str, tensors: dict) -> Any:
-    """``value`` as JSON, each tensor replaced by a reference to its DCP key in ``tensors``."""
-    if isinstance(value, torch.Tensor):
-        tensors[key] = _local(value).clone()
-        return {_REF: key}
-    if isinstance(value, Mapping):
-        return {str(k): _encode(v, f"{key}/{k}", tensors) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_encode(v, f"{key}/{i}", tensors) for i, v in enumerate(value)]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise CheckpointError(f"cannot save strategy state {key!r}: a {type(value).__name__} is "
-                          "neither a tensor nor a JSON value")
+    return {name: local(p.grad) for name, p in module.named_parameters() if p.grad is not None}
 
 
 def _hash_share(folder: str, rank: int, world_size: int) -> list:
@@ -332,45 +336,6 @@ def _grads_set_aside(module: nn.Module) -> Iterator[None]:
     finally:
         for p, g in grads.items():
             p.grad = g
-
-
-def _tensor_templates(record: Any, available: Mapping) -> dict:
-    """Empty tensors for every per-rank tensor the record references, shaped as saved."""
-    keys: list = []
-    _collect_refs(record, keys)
-    templates = {}
-    for key in keys:
-        meta = available.get(key)
-        if not isinstance(meta, TensorStorageMetadata):
-            raise CheckpointError(f"strategy tensor {key!r} is referenced but not saved")
-        templates[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    return templates
-
-
-def _collect_refs(value: Any, keys: list) -> None:
-    if isinstance(value, dict):
-        if set(value) == {_REF}:
-            keys.append(value[_REF])
-        for v in value.values():
-            _collect_refs(v, keys)
-    elif isinstance(value, list):
-        for v in value:
-            _collect_refs(v, keys)
-
-
-_DROP = object()
-
-
-def _decode(value: Any, tensors: Mapping, keep_tensors: bool) -> Any:
-    """Inverse of :func:`_encode`; without ``keep_tensors`` tensor leaves are left out."""
-    if isinstance(value, dict) and set(value) == {_REF}:
-        return tensors[value[_REF]] if keep_tensors else _DROP
-    if isinstance(value, dict):
-        out = {k: _decode(v, tensors, keep_tensors) for k, v in value.items()}
-        return {k: v for k, v in out.items() if v is not _DROP}
-    if isinstance(value, list):
-        return [v for v in (_decode(v, tensors, keep_tensors) for v in value) if v is not _DROP]
-    return value
 
 
 def _restore_grads(module: nn.Module, grads: Mapping) -> None:
