@@ -9,3 +9,9 @@ from fleetx.parallel import (HybridCommunicateGroup, ParallelMode, RNGStatesTrac
 
 __all__ = ["HybridCommunicateGroup", "ParallelMode", "RNGStatesTracker", "get_rng_state_tracker",
            "model_parallel_random_seed"]
+
+from fleetx.parallel import (ColumnParallelLinear, ParallelCrossEntropy,  # noqa: E402
+                             RowParallelLinear, VocabParallelEmbedding)
+
+__all__ += ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+            "ParallelCrossEntropy"]

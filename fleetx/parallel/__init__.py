@@ -15,3 +15,10 @@ from fleetx.parallel.random import (RNGStatesTracker, get_rng_state_tracker,
 __all__ = ["MODEL_PARALLEL_RNG", "NoHybridGroupError", "ParallelError", "HybridCommunicateGroup",
            "ParallelMode", "get_hcg", "set_hcg", "RNGStatesTracker", "get_rng_state_tracker",
            "model_parallel_random_seed"]
+
+from fleetx.parallel.cross_entropy import ParallelCrossEntropy, parallel_cross_entropy
+from fleetx.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                    VocabParallelEmbedding, sharded_parameters)
+
+__all__ += ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+            "ParallelCrossEntropy", "parallel_cross_entropy", "sharded_parameters"]
