@@ -89,8 +89,11 @@ class TopLevelConfig(Config):
         no_effect="DDP sizes its first bucket itself")
     find_unused_parameters: bool = option(
         False, "Data parallel: look for parameters that got no gradient.")
-    tensor_parallel: bool = option(False, "Tensor parallelism (tensor_parallel_configs).",
-                                   no_effect=TensorParallelConfig.no_effect)
+    tensor_parallel: bool = option(
+        False, "Paddle's static-graph switch of tensor parallelism (tensor_parallel_configs).",
+        no_effect="no switch is needed: hybrid_configs['mp_degree'] (or "
+        "tensor_parallel_configs['tensor_parallel_degree']) turns tensor parallelism on, as in "
+        "Paddle 2.2's dynamic graph")
     without_graph_optimization: bool = option(
         False, "Insert all-reduces directly instead of through the graph executor.",
         no_effect="no static graph")

@@ -84,7 +84,8 @@ class ShardingConfig(Config):
         8, "Ranks in one sharding group; fills hybrid_configs['sharding_degree'] when that is "
         "unset; unset everywhere: the whole data-parallel group.", ge=1)
     mp_degree: int = option(1, "Tensor (model) parallel degree (refused unless 1).", ge=1,
-                            no_effect="tensor parallelism is not implemented yet")
+                            no_effect="sharding together with tensor or pipeline parallelism is "
+                            "not implemented: with sharding on, a value other than 1 is refused")
     dp_degree: int = option(
         1, "Data parallel degree over the sharding groups; fills hybrid_configs['dp_degree'] "
         "when that is unset.", ge=1)
@@ -101,7 +102,8 @@ class ShardingConfig(Config):
         False, "With pipelining, all-reduce gradients in the optimize phase.",
         no_effect="pipeline parallelism is not implemented yet")
     pp_degree: int = option(1, "Pipeline parallel degree (refused unless 1).", ge=1,
-                            no_effect="pipeline parallelism is not implemented yet")
+                            no_effect="sharding together with tensor or pipeline parallelism is "
+                            "not implemented: with sharding on, a value other than 1 is refused")
     optimize_cast: bool = option(
         False, "Keep float32 master parameters and cast to float16 in the optimize phase.",
         no_effect="parameters stay float32 and amp casts per operation, so there is no cast "

@@ -14,32 +14,50 @@ refuse every job of fewer than 8 processes). With sharding off the sharding degr
 ``hybrid_configs['dp_degree'] = -1`` (its default) infers the data-parallel degree from the
 world size.
 
-Tensor and pipeline parallelism are not implemented in fleetx yet: their degrees are resolved
-by the same rule (so conflicts are reported), and a resolved degree other than 1 is refused.
+``mp_degree`` (filled by ``tensor_parallel_configs['tensor_parallel_degree']``) and
+``pp_degree`` need no switch, as in Paddle 2.2's dynamic graph: with sharding off the world is
+``dp x pp x mp`` ranks, ``dp_degree=-1`` taking what the other two leave, and degrees that
+cannot fill the world are an error naming each as ``name=value`` with the world size. Sharding
+together with tensor or pipeline parallelism is refused (not implemented).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
 from fleetx.strategy.api import StrategyError
 
-__all__ = ["Topology", "resolve"]
+__all__ = ["AXES", "Coordinate", "Topology", "resolve"]
+
+
+AXES = ("data", "pipe", "sharding", "model")
+
+
+class Coordinate(NamedTuple):
+    """A rank's place in the grid, one index per axis of :data:`AXES`."""
+
+    data: int
+    pipe: int
+    sharding: int
+    model: int
 
 
 @dataclass(frozen=True)
 class Topology:
     """The degrees of the process grid; their product is the world size.
 
-    Rank layout (what :meth:`sharding_groups` and :meth:`dp_groups` return): a sharding group is
-    ``sharding_degree`` consecutive ranks, and a data-parallel group holds the ranks at the same
-    position in each sharding group. Rank ``r`` sits at row ``r // sharding_degree`` (its
-    data-parallel index) and column ``r % sharding_degree`` (its position in its sharding group)
-    of a ``(dp_degree, sharding_degree)`` grid: the layout of
-    ``torch.distributed.device_mesh.init_device_mesh(device, mesh_shape)`` with
-    ``mesh_dim_names=("replicate", "shard")``, FSDP2's hybrid-sharding mesh. Consecutive ranks
-    share a node under ``fleetrun``, so the sharding traffic (every step) stays on the node
-    while only the replication crosses nodes.
+    Rank layout: Paddle's axis order ``["data", "pipe", "sharding", "model"]``, the model axis
+    innermost, so ``rank = ((data * pp + pipe) * sharding_degree + sharding) * mp + model``.
+    A group of an axis is the ranks that differ only in that axis (:meth:`groups`); groups are
+    listed in Paddle's ``get_comm_list`` order (the other axes' indexes counted row-major).
+    Consecutive ranks share a node under ``fleetrun``, so the groups that talk most (model,
+    then sharding) stay on a node while only the replication crosses nodes.
+
+    With ``mp_degree == pp_degree == 1`` a sharding group is ``sharding_degree`` consecutive
+    ranks and rank ``r`` sits at row ``r // sharding_degree``, column ``r % sharding_degree`` of
+    :attr:`mesh_shape`: the layout of ``init_device_mesh(device, mesh_shape)`` with
+    ``mesh_dim_names=("replicate", "shard")``, FSDP2's hybrid-sharding mesh.
 
     Example:
         >>> t = Topology(dp_degree=2, sharding_degree=4)
@@ -49,6 +67,11 @@ class Topology:
         [[0, 4], [1, 5], [2, 6], [3, 7]]
         >>> t.world_size, t.mesh_shape
         (8, (2, 4))
+        >>> h = Topology(dp_degree=2, sharding_degree=1, mp_degree=2, pp_degree=2)
+        >>> h.groups("model"), h.groups("pipe")
+        ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]])
+        >>> h.coordinate(5)
+        Coordinate(data=1, pipe=0, sharding=0, model=1)
     """
 
     dp_degree: int
@@ -61,11 +84,6 @@ class Topology:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Topology.{name} must be an int >= 1, got {value!r}")
-        if self.mp_degree != 1 or self.pp_degree != 1:
-            # The group layout below knows two dimensions only; resolve() refuses the others.
-            raise ValueError("Topology supports mp_degree == pp_degree == 1 only (tensor and "
-                             f"pipeline parallelism are not implemented), got mp_degree "
-                             f"{self.mp_degree}, pp_degree {self.pp_degree}")
 
     @property
     def world_size(self) -> int:
@@ -73,30 +91,94 @@ class Topology:
         return self.dp_degree * self.sharding_degree * self.mp_degree * self.pp_degree
 
     @property
+    def shape(self) -> Coordinate:
+        """The degree of each axis, in :data:`AXES` order."""
+        return Coordinate(self.dp_degree, self.pp_degree, self.sharding_degree, self.mp_degree)
+
+    @property
     def mesh_shape(self) -> tuple[int, int]:
-        """``(dp_degree, sharding_degree)``: the 2-D device mesh whose rows are sharding groups."""
+        """``(dp_degree, sharding_degree)``: the 2-D device mesh whose rows are sharding groups
+        (sharding's mesh; it describes the whole world only when mp and pp are 1)."""
         return (self.dp_degree, self.sharding_degree)
 
+    def coordinate(self, rank: int) -> Coordinate:
+        """``rank``'s index on every axis."""
+        rest, out = self._check(rank), []
+        for degree in reversed(self.shape):
+            rest, index = divmod(rest, degree)
+            out.append(index)
+        return Coordinate(*reversed(out))
+
+    def rank_of(self, data: int = 0, pipe: int = 0, sharding: int = 0, model: int = 0) -> int:
+        """The rank at a coordinate (the inverse of :meth:`coordinate`).
+
+        Raises:
+            ValueError: an index is outside its axis, named as ``axis=value``.
+        """
+        rank = 0
+        for axis, index, degree in zip(AXES, (data, pipe, sharding, model), self.shape):
+            if not 0 <= index < degree:
+                raise ValueError(f"{axis}={index} is outside the {axis} axis of degree {degree}")
+            rank = rank * degree + index
+        return rank
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` (one of :data:`AXES`): the ranks that differ only there.
+
+        Raises:
+            ValueError: ``axis`` is not one of :data:`AXES`.
+        """
+        if axis not in AXES:
+            raise ValueError(f"unknown axis {axis!r}: choose one of {', '.join(AXES)}")
+        where = AXES.index(axis)
+        others = [range(d) for i, d in enumerate(self.shape) if i != where]
+        out = []
+        for fixed in itertools.product(*others):
+            coords = list(fixed)
+            out.append([self.rank_of(*(coords[:where] + [i] + coords[where:]))
+                        for i in range(self.shape[where])])
+        return out
+
+    def group_of(self, axis: str, rank: int) -> list[int]:
+        """The group of ``axis`` that holds ``rank``."""
+        self._check(rank)
+        return next(g for g in self.groups(axis) if rank in g)
+
     def sharding_groups(self) -> list[list[int]]:
-        """Every sharding group, each ``sharding_degree`` consecutive ranks, in rank order."""
-        s = self.sharding_degree
-        return [list(range(d * s, (d + 1) * s)) for d in range(self.dp_degree)]
+        """Every sharding group (``sharding_degree`` consecutive ranks when mp is 1)."""
+        return self.groups("sharding")
 
     def dp_groups(self) -> list[list[int]]:
-        """Every data-parallel group: the ranks at one position of each sharding group."""
-        s = self.sharding_degree
-        return [list(range(i, self.world_size, s)) for i in range(s)]
+        """Every data-parallel group: the ranks at one position of every other axis."""
+        return self.groups("data")
+
+    def model_groups(self) -> list[list[int]]:
+        """Every model (tensor) parallel group: ``mp_degree`` consecutive ranks."""
+        return self.groups("model")
+
+    def pipe_groups(self) -> list[list[int]]:
+        """Every pipeline group, its ranks in stage order."""
+        return self.groups("pipe")
 
     def sharding_rank(self, rank: int) -> int:
         """``rank``'s position in its sharding group."""
-        return self._check(rank) % self.sharding_degree
+        return self.coordinate(rank).sharding
 
     def dp_rank(self, rank: int) -> int:
-        """The index of ``rank``'s sharding group (its position in its data-parallel group)."""
-        return self._check(rank) // self.sharding_degree
+        """``rank``'s position in its data-parallel group."""
+        return self.coordinate(rank).data
+
+    def mp_rank(self, rank: int) -> int:
+        """``rank``'s position in its model-parallel group."""
+        return self.coordinate(rank).model
+
+    def stage(self, rank: int) -> int:
+        """``rank``'s pipeline stage (its position in its pipe group)."""
+        return self.coordinate(rank).pipe
 
     def _check(self, rank: int) -> int:
-        if not 0 <= rank < self.world_size:
+        if isinstance(rank, bool) or not isinstance(rank, int) or \
+                not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} processes")
         return rank
 
@@ -120,8 +202,8 @@ def resolve(strategy: Any, world_size: int) -> Topology:
         StrategyError: two places set a degree to different values; a sharding degree larger
             than the world or not dividing it; degrees whose product is not the world size;
             ``hybrid_dp`` contradicting the data-parallel degree; a sharding degree set while
-            ``strategy.sharding`` is off; a tensor or pipeline degree other than 1. Each
-            message names the settings, their numbers and the fix.
+            ``strategy.sharding`` is off; tensor or pipeline degrees other than 1 with sharding
+            on. Each message names the settings, their numbers and the fix.
         ValueError: ``world_size`` is not an int >= 1.
 
     Example:
@@ -136,16 +218,15 @@ def resolve(strategy: Any, world_size: int) -> Topology:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     on = bool(strategy.sharding)
-    for key, feature, others in _UNIMPLEMENTED:
-        # sharding_configs counts only with sharding on (off, the plan says it is ignored).
-        places = [("hybrid_configs", key)] + [p for p in others if on or p[0] != "sharding_configs"]
-        degree = _agreed(_explicit(strategy, places))
-        if degree is not None and degree.value != 1:
-            raise StrategyError(
-                f"{degree.source}={degree.value} asks for {feature}, which fleetx does not "
-                f"implement yet: set it to 1 or leave it unset")
+    model = _model_degrees(strategy, on)
     if not on:
-        return _without_sharding(strategy, world_size)
+        return _without_sharding(strategy, world_size, *model)
+    if any(d is not None and d.value != 1 for d in model):
+        asked = " and ".join(f"{d.source}={d.value}" for d in model if d and d.value != 1)
+        raise StrategyError(
+            f"{asked} with strategy.sharding on: sharding together with tensor or pipeline "
+            f"parallelism is not implemented in fleetx; turn sharding off, or set the tensor "
+            f"and pipeline degrees to 1")
     sharding = _agreed(_given(strategy, _SHARDING_PLACES))
     dp = _agreed(_given(strategy, _DP_PLACES, infer=-1))
     for degree in (sharding, dp):
@@ -163,11 +244,23 @@ def resolve(strategy: Any, world_size: int) -> Topology:
     return Topology(dp_degree=d, sharding_degree=s)
 
 
-# Degrees fleetx cannot run yet: (hybrid_configs key, what it asks for, the other places).
-_UNIMPLEMENTED = (
-    ("mp_degree", "tensor parallelism", (("tensor_parallel_configs", "tensor_parallel_degree"),
-                                         ("sharding_configs", "mp_degree"))),
-    ("pp_degree", "pipeline parallelism", (("sharding_configs", "pp_degree"),)),
+def _model_degrees(strategy: Any, sharding_on: bool) -> tuple[Optional[_Degree], ...]:
+    """The tensor (mp) and pipeline (pp) degrees the user set, each agreed across its places;
+    ``sharding_configs`` counts only with sharding on (off, the plan says it is ignored)."""
+    out = []
+    for key, others in _MODEL_PLACES:
+        places = [("hybrid_configs", key)] + [p for p in others if p[0] != "sharding_configs"]
+        # sharding_configs' copies are declared without effect: read only when the user set them
+        extra = [p for p in others if sharding_on and p[0] == "sharding_configs"]
+        out.append(_agreed(_given(strategy, places) + _explicit(strategy, extra)))
+    return tuple(out)
+
+
+# (hybrid_configs key, the other places that fill it when it is unset)
+_MODEL_PLACES = (
+    ("mp_degree", (("tensor_parallel_configs", "tensor_parallel_degree"),
+                   ("sharding_configs", "mp_degree"))),
+    ("pp_degree", (("sharding_configs", "pp_degree"),)),
 )
 _SHARDING_PLACES = (("hybrid_configs", "sharding_degree"), ("sharding_configs", "sharding_degree"))
 _DP_PLACES = (("hybrid_configs", "dp_degree"), ("sharding_configs", "dp_degree"))
@@ -238,17 +331,40 @@ def _check_hybrid_dp(strategy: Any, dp: int, world_size: int) -> None:
             f"a sharding_degree of {world_size}")
 
 
-def _without_sharding(strategy: Any, world_size: int) -> Topology:
-    """Sharding off: every rank is a data-parallel rank. ``sharding_configs`` is ignored (the
-    plan says so); a ``hybrid_configs`` degree that asks for more is an error."""
+def _without_sharding(strategy: Any, world_size: int, mp: Optional[_Degree],
+                      pp: Optional[_Degree]) -> Topology:
+    """Sharding off: what the tensor and pipeline degrees leave is data parallel.
+    ``sharding_configs`` is ignored (the plan says so); a ``hybrid_configs`` sharding degree
+    that asks for more is an error."""
     sharding = _agreed(_explicit(strategy, [("hybrid_configs", "sharding_degree")]))
     if sharding is not None and sharding.value != 1:
         raise StrategyError(
             f"{sharding.source}={sharding.value} asks for sharding, but strategy.sharding is "
             f"off: set strategy.sharding = True, or leave the degree unset")
     dp = _agreed(_given(strategy, [("hybrid_configs", "dp_degree")], infer=-1))
-    if dp is not None and dp.value != world_size:
-        raise StrategyError(
-            f"{dp.source}={dp.value}, but without sharding every one of the {world_size} "
-            f"processes is a data-parallel rank: set it to {world_size}, or -1 to infer it")
-    return Topology(dp_degree=world_size, sharding_degree=1)
+    m, p = (mp.value if mp else 1), (pp.value if pp else 1)
+    if m * p == 1:
+        if dp is not None and dp.value != world_size:
+            raise StrategyError(
+                f"{dp.source}={dp.value}, but without sharding every one of the {world_size} "
+                f"processes is a data-parallel rank: set it to {world_size}, or -1 to infer it")
+        return Topology(dp_degree=world_size, sharding_degree=1)
+    d = dp.value if dp else (world_size // (m * p) if world_size % (m * p) == 0 else 0)
+    if d * m * p != world_size:
+        raise StrategyError(_product_error(dp, d, mp, m, pp, p, world_size))
+    return Topology(dp_degree=d, sharding_degree=1, mp_degree=m, pp_degree=p)
+
+
+def _product_error(dp: Optional[_Degree], d: int, mp: Optional[_Degree], m: int,
+                   pp: Optional[_Degree], p: int, world_size: int) -> str:
+    """The message for degrees that cannot fill the world, each named ``name=value``."""
+    filled = [f"{x.source} fills {key}" for x, key in ((mp, "mp_degree"), (pp, "pp_degree"))
+              if x is not None and not x.source.startswith("hybrid_configs")]
+    where = f" ({'; '.join(filled)})" if filled else ""
+    if dp is None:
+        return (f"pp_degree={p} x mp_degree={m} is {p * m} processes per data-parallel rank, "
+                f"which does not divide the world size {world_size}{where}: use degrees whose "
+                f"product divides {world_size} (dp_degree=-1 then infers the rest)")
+    return (f"dp_degree={d} x pp_degree={p} x sharding_degree=1 x mp_degree={m} is "
+            f"{d * p * m} processes, but the world size is {world_size}{where}: make the "
+            f"product {world_size}, or set dp_degree=-1 to infer it")

@@ -24,6 +24,7 @@ from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, PlanInput, Stra
 from fleetx.strategy.config import recording_reads
 from fleetx.strategy.distributed_strategy import MESSAGES, DistributedStrategy, TopLevelConfig
 from fleetx.strategy.planner import load_strategies, make_plan
+from fleetx.strategy.tensor_parallel import init_seed
 
 GM2 = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2, "avg": False}}
 # Settings under which each strategy applies (what they read is recorded, not listed here).
@@ -116,6 +117,11 @@ def reads(one_process_group):
             names, scenario_reads = _apply_and_train(fields, world, opt_kind, run)
             applied.update(names)
             found |= scenario_reads
+        # fleet.init seeds the model-parallel streams (mp_degree > 1 needs several processes:
+        # tests/distributed/test_hcg.py runs it; here only what it reads is recorded)
+        with recording_reads() as init_reads:
+            init_seed(_strategy({"hybrid_configs": {"mp_degree": 2}}), 2)
+        found |= init_reads
     finally:
         torch.set_num_threads(threads)  # execution_strategy's num_threads
     assert applied == {c.name for c in registered()} - {"no_effect", "configs_without_switch"}
@@ -179,9 +185,11 @@ def test_the_recorder_sees_reads_through_copies_only_when_read():
     ({"recompute": True, "recompute_configs": {"checkpoints": ["0"], "enable_offload": True}},
      "recompute_configs.enable_offload (offload is not implemented: on CPU the kept inputs"),
     ({"pipeline": True}, "pipeline (pipeline parallelism is not implemented yet)"),
-    ({"tensor_parallel": True}, "tensor_parallel (tensor parallelism is not implemented yet)"),
-    ({"hybrid_configs": {"mp_degree": 2}},
-     "hybrid_configs.mp_degree (tensor parallelism is not implemented yet)"),
+    ({"tensor_parallel": True}, "tensor_parallel (no switch is needed: "
+                                "hybrid_configs['mp_degree']"),
+    ({"sharding_configs": {"mp_degree": 2}},
+     "sharding_configs.mp_degree (sharding together with tensor or pipeline parallelism is not "
+     "implemented"),
 ])
 def test_the_plan_names_settings_without_effect(fields, named):
     plan = make_plan(PlanInput(_strategy(fields), WorldInfo()))

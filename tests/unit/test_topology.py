@@ -159,20 +159,24 @@ def test_refusals_with_sharding_off(configs, world, message):
     ({"tensor_parallel_configs": {"tensor_parallel_degree": 2}, "hybrid_configs": {"mp_degree": 1}},
      "hybrid_configs['mp_degree']=1 and tensor_parallel_configs['tensor_parallel_degree']=2 "
      "disagree"),
-    ({"tensor_parallel_configs": {"tensor_parallel_degree": 2}},
-     "tensor_parallel_configs['tensor_parallel_degree']=2 asks for tensor parallelism, which "
-     "fleetx does not implement yet: set it to 1 or leave it unset"),
-    ({"hybrid_configs": {"mp_degree": 2}, "tensor_parallel_configs": {"tensor_parallel_degree": 2}},
-     "hybrid_configs['mp_degree']=2 asks for tensor parallelism, which fleetx does not implement "
-     "yet: set it to 1 or leave it unset"),
-    ({"hybrid_configs": {"pp_degree": 2}},
-     "hybrid_configs['pp_degree']=2 asks for pipeline parallelism, which fleetx does not "
-     "implement yet: set it to 1 or leave it unset"),
 ])
-def test_tensor_and_pipeline_degrees_follow_the_same_rule_and_are_refused(sharding, configs,
-                                                                         message):
+def test_tensor_degrees_in_two_places_must_agree(sharding, configs, message):
     with pytest.raises(StrategyError) as err:
         resolve(_strategy(sharding=sharding, **configs), 4)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("configs, message", [
+    ({"tensor_parallel_configs": {"tensor_parallel_degree": 2}},
+     "tensor_parallel_configs['tensor_parallel_degree']=2 with strategy.sharding on: sharding "
+     "together with tensor or pipeline parallelism is not implemented in fleetx; turn sharding "
+     "off, or set the tensor and pipeline degrees to 1"),
+    ({"hybrid_configs": {"mp_degree": 2, "pp_degree": 2}},
+     "hybrid_configs['mp_degree']=2 and hybrid_configs['pp_degree']=2 with strategy.sharding on"),
+])
+def test_sharding_with_tensor_or_pipeline_degrees_is_refused(configs, message):
+    with pytest.raises(StrategyError) as err:
+        resolve(_sharded(**configs), 4)
     assert message in str(err.value)
 
 
@@ -182,12 +186,12 @@ def test_tensor_parallel_degree_and_mp_degree_set_to_one_agree():
     assert _grid(resolve(s, 2)) == (1, 2)
 
 
-@pytest.mark.parametrize("key, feature", [("mp_degree", "tensor"), ("pp_degree", "pipeline")])
-def test_sharding_configs_model_degrees_count_only_with_sharding_on(key, feature):
+@pytest.mark.parametrize("key", ["mp_degree", "pp_degree"])
+def test_sharding_configs_model_degrees_count_only_with_sharding_on(key):
     s = _strategy(sharding_configs={key: 2})
     assert _grid(resolve(s, 4)) == (4, 1)
     s.sharding = True
-    with pytest.raises(StrategyError, match=rf"sharding_configs\['{key}'\]=2 asks for {feature}"):
+    with pytest.raises(StrategyError, match=rf"sharding_configs\['{key}'\]=2 with strategy"):
         resolve(s, 4)
     s.hybrid_configs = {key: 4}
     with pytest.raises(StrategyError, match=rf"hybrid_configs\['{key}'\]=4 and "
@@ -203,15 +207,13 @@ def test_a_bad_world_size_is_refused(world):
 
 # -- what resolve reads -----------------------------------------------------------------------
 
-def test_resolve_reads_the_sharding_keys_and_no_unset_key_declared_without_effect():
+def test_resolve_reads_the_sharding_and_model_degree_keys():
     with recording_reads() as reads:
         resolve(_sharded(), 2)
     assert {"sharding", "sharding_configs.sharding_degree", "sharding_configs.dp_degree",
             "sharding_configs.hybrid_dp", "hybrid_configs.sharding_degree",
-            "hybrid_configs.dp_degree"} <= reads
-    assert not {"hybrid_configs.mp_degree", "hybrid_configs.pp_degree",
-                "sharding_configs.mp_degree", "sharding_configs.pp_degree",
-                "tensor_parallel_configs.tensor_parallel_degree"} & reads
+            "hybrid_configs.dp_degree", "hybrid_configs.mp_degree", "hybrid_configs.pp_degree",
+            "tensor_parallel_configs.tensor_parallel_degree"} <= reads
 
 
 # -- the layout -------------------------------------------------------------------------------
@@ -240,9 +242,8 @@ def test_a_sharding_group_is_consecutive_ranks():
     ({"dp_degree": 0, "sharding_degree": 1}, "Topology.dp_degree must be an int >= 1, got 0"),
     ({"dp_degree": 1, "sharding_degree": True}, "Topology.sharding_degree must be an int >= 1, "
                                                 "got True"),
-    ({"dp_degree": 1, "sharding_degree": 1, "mp_degree": 2},
-     "Topology supports mp_degree == pp_degree == 1 only (tensor and pipeline parallelism are not "
-     "implemented), got mp_degree 2, pp_degree 1"),
+    ({"dp_degree": 1, "sharding_degree": 1, "mp_degree": 2, "pp_degree": 0},
+     "Topology.pp_degree must be an int >= 1, got 0"),
 ])
 def test_a_bad_topology_is_refused(fields, message):
     with pytest.raises(ValueError) as err:
