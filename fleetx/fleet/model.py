@@ -23,6 +23,12 @@ __all__ = ["DistributedModel"]
 class DistributedModel(nn.Module):
     """A user model made distributed by the strategies of the plan.
 
+    With sharded parameters (sharding stages 2 and 3) every forward gathers them, in eval mode
+    too: every rank must run the same eval forwards, and an eval forward waits for all of them
+    (a rank that does not come within ``FLEETX_TIMEOUT`` is a ``CommError`` naming it). To
+    evaluate on one rank, call ``state_dict()`` on every rank and load it into a plain model
+    there.
+
     Args:
         module: the user's model (its parameters are shared, not copied).
         context_of: returns the training context to build with (the fleet's current one).

@@ -25,6 +25,7 @@ are accepted and declared without effect.
 from dataclasses import dataclass
 from typing import Any
 
+from fleetx.comm.groups import default_timeout
 from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register)
@@ -34,8 +35,8 @@ from fleetx.strategy.lamb import LambStrategy
 from fleetx.strategy.lars import LarsStrategy
 from fleetx.strategy.localsgd import LocalSGDStrategy
 from fleetx.strategy.recompute import RecomputeStrategy
-from fleetx.strategy.sharding_engine import (rebound_optimizer, shard_in_place, sharding_group,
-                                             zero_optimizer)
+from fleetx.strategy.sharding_engine import (eval_guard, rebound_optimizer, shard_in_place,
+                                             sharding_group, zero_optimizer)
 from fleetx.strategy.topology import resolve
 
 __all__ = ["ShardingConfig", "ShardingStrategy"]
@@ -172,6 +173,8 @@ class ShardingStrategy(Strategy):
             ctx.step_guards.append(_needs_model(stage))
             return
         record = shard_in_place(ctx.model, stage, topo.mesh_shape, ctx.world.device)
+        ctx.forward_contexts.append(
+            eval_guard(ctx.model, stage, default_timeout(ctx.world.environ)))
         if ctx.optimizer is not None:
             ctx.optimizer = rebound_optimizer(ctx.optimizer, ctx.model, record)
 

@@ -16,9 +16,12 @@ optimizer already rebuilt (a record on the user's optimizer).
 """
 from __future__ import annotations
 
+import contextlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from datetime import timedelta
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,9 +31,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fleetx.comm.api import CommError
 from fleetx.strategy.api import StrategyError
 
-__all__ = ["ShardRecord", "sharding_units", "shard_in_place", "rebound_optimizer",
+__all__ = ["ShardRecord", "sharding_units", "shard_in_place", "eval_guard", "rebound_optimizer",
            "zero_optimizer", "sharding_group"]
 
 # The record a sharded module carries, and the optimizers built for a user's optimizer.
@@ -129,6 +133,50 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     model.__dict__[_RECORD] = record
     return record
+
+
+def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], ContextManager]:
+    """A forward-context factory: in eval mode, wait (at most ``timeout`` s) until every rank
+    has come to an eval forward before the sharded one runs.
+
+    A sharded forward gathers parameters, a collective. Run on one rank alone (evaluation on
+    rank 0), its all-gathers would pair with the other ranks' training collectives: wrong
+    outputs, then a crash or a wait for ever. This barrier, on a gloo group of its own, turns
+    that into an error naming the ranks that did not come. Training forwards run on every rank
+    anyway and are not checked.
+
+    Raises:
+        CommError: (when the context is entered) a rank did not run an eval forward in time.
+    """
+    group = _own_group("eval")
+
+    @contextlib.contextmanager
+    def guard() -> Iterator[None]:
+        if not model.training:
+            try:
+                dist.monitored_barrier(group, timeout=timedelta(seconds=timeout),
+                                       wait_all_ranks=True)
+            except RuntimeError as err:
+                # Rank 0 names the ranks that did not come; the others wait for rank 0 only.
+                missing = re.search(r"Ranks? ([\d, ]+) failed", str(err))
+                who = f"rank(s) {missing.group(1) if missing else 0}"
+                raise CommError(
+                    f"sharding stage {stage}: a forward in eval mode gathers the sharded "
+                    f"parameters, a collective every rank must run, and {who} did not run one "
+                    f"within {timeout:.0f} s (FLEETX_TIMEOUT); evaluate on every rank, or on "
+                    f"one rank with a plain model loaded from model.state_dict() (which every "
+                    f"rank calls)") from err
+        yield
+    return guard
+
+
+def _own_group(purpose: str) -> Any:
+    """A gloo group over the whole world for ``purpose`` alone, made once per default group
+    (every rank makes it, in the same order); its own tags never meet other collectives'."""
+    key = (id(dist.group.WORLD), purpose)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo")
+    return _GROUPS[key]
 
 
 def _cached(optimizer: torch.optim.Optimizer, key: tuple,
