@@ -25,6 +25,8 @@ from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
 from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
+from fleetx.fleet.pipeline import pipeline_model
+from fleetx.parallel.pipeline import PipelineLayer
 from fleetx.fleet.trial import apply_plan, run_trial
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
 from fleetx.fleet.util import UtilBase
@@ -226,6 +228,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
     def distributed_model(self, model: torch.nn.Module) -> DistributedModel:
         """Wrap ``model`` so the plan's strategies run on it (DDP with more than one process).
 
+        A ``PipelineLayer`` gets a ``PipelineParallel`` (``train_batch`` / ``eval_batch``) run
+        with ``pipeline_configs`` instead.
+
         The wrapper builds its engine at the first forward, so it may still be moved to a device;
         a strategy that shards the model (sharding stage 2 or 3) changes it here, in place, so
         build the optimizer from ``model.parameters()`` afterwards (or before: it is rebuilt
@@ -238,6 +243,8 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"fleet.distributed_model expects a torch.nn.Module, "
                              f"got {type(model).__name__}")
+        if isinstance(model, PipelineLayer):  # its stage runs through the pipeline's schedule
+            return pipeline_model(model, self._strategy, self.local_device().type)
         wrapped = DistributedModel(model, self._context)
         self._models.append(wrapped)
         self._ctx = None  # re-plan with the model known

@@ -49,7 +49,9 @@ class TopLevelConfig(Config):
     lars: bool = option(False, "LARS optimizer (lars_configs).")
     lamb: bool = option(False, "LAMB optimizer (lamb_configs).")
     pipeline: bool = option(False, "Pipeline parallelism (pipeline_configs).",
-                            no_effect=PipelineConfig.no_effect)
+                            no_effect="pipelines run when hybrid_configs['pp_degree'] > 1 "
+                            "(a PipelineLayer under fleet.distributed_model); this switch is the "
+                            "static graph's")
     elastic: bool = option(False, "Elastic training (Paddle 2.2 does not act on it either).",
                            no_effect="elastic jobs come from fleetrun --nnodes MIN:MAX")
     auto: bool = option(False, "Choose amp, recompute and the sharding stage left unset by "

@@ -1,13 +1,11 @@
-"""Pipeline parallelism (``strategy.pipeline``): a config only.
+"""Pipeline parallelism's settings (``pipeline_configs``).
 
-**No effect yet.** ``strategy.pipeline`` and ``pipeline_configs`` are accepted and checked, so
-Paddle scripts and saved strategies load, but nothing in fleetx acts on them: the whole model
-runs on every rank, and the plan names the switch and the keys when they are set.
-``PipelineConfig.no_effect`` is the one declaration to change when pipelines are implemented.
-
-What the settings mean in Paddle: layers are split into stages on different devices and each
-mini-batch into ``accumulate_steps`` micro-batches of ``micro_batch_size`` samples, scheduled
-``F-then-B`` or ``1F1B``.
+As in Paddle 2.2's dynamic graph, they apply whenever ``hybrid_configs['pp_degree'] > 1``: the
+model is a ``fleet.meta_parallel.PipelineLayer`` (each process builds only its stage's layers)
+and ``fleet.distributed_model`` returns a ``PipelineParallel`` whose ``train_batch`` cuts each
+mini-batch into ``accumulate_steps`` micro-batches of ``micro_batch_size`` samples and runs them
+``1F1B`` or ``FThenB`` (:mod:`fleetx.parallel.schedule`). The ``strategy.pipeline`` switch is the
+static graph's and has no effect (declared in ``fields.py``).
 """
 from dataclasses import dataclass
 
@@ -29,11 +27,14 @@ class PipelineConfig(Config):
     """
 
     section = "pipeline_configs"
-    no_effect = "pipeline parallelism is not implemented yet"
     aliases = {"micro_batch": "accumulate_steps"}
 
     micro_batch_size: int = option(1, "Samples per micro-batch.", ge=1)
     accumulate_steps: int = option(1, "Micro-batches per mini-batch.", ge=1)
-    schedule_mode: str = option("1F1B", "Pipeline schedule.", choices=("F-then-B", "1F1B"))
+    schedule_mode: str = option(
+        "1F1B", "Pipeline schedule: 1F1B (at most pp_degree micro-batches alive per stage) or "
+        "FThenB (all forwards, then all backwards); F-then-B is an alias of FThenB.",
+        choices=("1F1B", "FThenB", "F-then-B"))
     p2p_cache_shape: bool = option(
-        True, "Reuse the first micro-batch's tensor shapes for stage-to-stage transfers.")
+        True, "Send the tensor shapes between stages once per mini-batch (the first "
+        "micro-batch's), not with every micro-batch.")

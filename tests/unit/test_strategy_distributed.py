@@ -166,7 +166,7 @@ def test_unknown_config_key():
      "a_sync_configs['heter_worker_device_guard'] must be one of 'cpu', 'gpu', 'xpu', "
      "got 'tpu'"),
     (("pipeline_configs", {"schedule_mode": "GPipe"}), ValueError,
-     "pipeline_configs['schedule_mode'] must be one of 'F-then-B', '1F1B', got 'GPipe'"),
+     "pipeline_configs['schedule_mode'] must be one of '1F1B', 'FThenB', 'F-then-B', got 'GPipe'"),
     (("sharding_configs", {"sharding_segment_strategy": "none"}), ValueError,
      "sharding_configs['sharding_segment_strategy'] must be one of 'segment_broadcast_MB', "
      "'segment_anchors', got 'none'"),

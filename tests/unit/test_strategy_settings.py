@@ -18,6 +18,8 @@ from torch import nn
 
 from fleetx import fleet as fleet_module
 from fleetx.fleet.fleet import Fleet
+from fleetx.fleet.pipeline import pipeline_model
+from fleetx.parallel.pipeline import PipelineLayer
 from fleetx.role_maker import UserDefinedRoleMaker
 from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, PlanInput, StrategyError,
                                  TrainingContext, WorldInfo, registered)
@@ -122,6 +124,11 @@ def reads(one_process_group):
         with recording_reads() as init_reads:
             init_seed(_strategy({"hybrid_configs": {"mp_degree": 2}}), 2)
         found |= init_reads
+        # fleet.distributed_model(PipelineLayer) reads pipeline_configs (here a one-stage pipe)
+        with recording_reads() as pipe_reads:
+            stage = PipelineLayer([nn.Linear(2, 2)], loss_fn=nn.MSELoss(), group=dist.group.WORLD)
+            pipeline_model(stage, _strategy({}), "cpu")
+        found |= pipe_reads
     finally:
         torch.set_num_threads(threads)  # execution_strategy's num_threads
     assert applied == {c.name for c in registered()} - {"no_effect", "configs_without_switch"}
@@ -184,7 +191,7 @@ def test_the_recorder_sees_reads_through_copies_only_when_read():
                                                   "scheduler"),
     ({"recompute": True, "recompute_configs": {"checkpoints": ["0"], "enable_offload": True}},
      "recompute_configs.enable_offload (offload is not implemented: on CPU the kept inputs"),
-    ({"pipeline": True}, "pipeline (pipeline parallelism is not implemented yet)"),
+    ({"pipeline": True}, "pipeline (pipelines run when hybrid_configs['pp_degree'] > 1"),
     ({"tensor_parallel": True}, "tensor_parallel (no switch is needed: "
                                 "hybrid_configs['mp_degree']"),
     ({"sharding_configs": {"mp_degree": 2}},

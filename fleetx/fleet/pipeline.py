@@ -1,0 +1,29 @@
+"""What ``fleet.distributed_model`` returns for a ``PipelineLayer``: its stage wrapped in
+``PipelineParallel`` with the strategy's ``pipeline_configs`` (and ``amp``'s precision)."""
+from __future__ import annotations
+
+from typing import Any
+
+from fleetx.amp import low_precision_dtype
+from fleetx.comm.groups import default_timeout
+from fleetx.parallel.pipeline import PipelineLayer
+from fleetx.parallel.pipeline_parallel import PipelineParallel
+
+__all__ = ["pipeline_model"]
+
+
+def pipeline_model(layers: PipelineLayer, strategy: Any, device: str) -> PipelineParallel:
+    """``layers`` under the schedule of ``strategy.pipeline_configs``.
+
+    Args:
+        layers: this process's stage.
+        strategy: the fleet's ``DistributedStrategy``; with ``amp`` on, forwards run under
+            ``torch.autocast`` in the device's low-precision dtype (bfloat16 on CPU).
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+    cfg = strategy.typed_config("pipeline")
+    dtype = low_precision_dtype(device) if strategy.amp else None
+    return PipelineParallel(layers, micro_batch_size=cfg.micro_batch_size,
+                            accumulate_steps=cfg.accumulate_steps,
+                            schedule_mode=cfg.schedule_mode, p2p_cache_shape=cfg.p2p_cache_shape,
+                            timeout=default_timeout(), autocast_dtype=dtype)

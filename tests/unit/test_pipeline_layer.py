@@ -1,0 +1,131 @@
+"""The pipeline's pure parts: segmentation, the schedules as data, and the errors (one process,
+no communication)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fleetx.parallel.pipeline import LayerDesc, PipelineLayer, SharedLayerDesc, segment
+from fleetx.parallel.pipeline_parallel import PipelineParallel
+from fleetx.parallel.schedule import bubble_fraction, max_in_flight, normalize_mode, steps
+
+
+def _mixed():
+    """Embedding, then 3 x (Linear, GELU), then LayerNorm: 8 layers, 3 of them Linear."""
+    body = [m for _ in range(3) for m in (LayerDesc(nn.Linear, 4, 4), nn.GELU())]
+    return [LayerDesc(nn.Embedding, 10, 4)] + body + [nn.LayerNorm(4)]
+
+
+@pytest.mark.parametrize("n,stages,bounds", [(8, 2, [0, 4, 8]), (9, 4, [0, 3, 5, 7, 9]),
+                                             (5, 5, [0, 1, 2, 3, 4, 5]), (7, 3, [0, 3, 5, 7])])
+def test_uniform_splits_the_count_the_first_stages_taking_the_remainder(n, stages, bounds):
+    assert segment([nn.ReLU()] * n, stages) == bounds
+
+
+def test_layer_method_splits_the_matching_layers_each_stage_ending_after_its_last():
+    layers = _mixed()  # Linear at 1, 3, 5
+    assert segment(layers, 3, "layer:Linear") == [0, 2, 4, 8]
+    assert segment(layers, 2, "layer:Linear") == [0, 4, 8]
+    assert segment(layers, 2, "layer:linear") == [0, 4, 8]  # case-insensitive, as in Paddle
+    assert segment(layers, 1, "layer:Embedding|LayerNorm") == [0, 8]
+
+
+def test_segmentation_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"unknown seg_method 'by_size': use 'uniform' or "
+                                         r"'layer:<ClassName>'"):
+        segment(_mixed(), 2, "by_size")
+    with pytest.raises(ValueError, match=r"'layer:Linear' matches 3 layers, fewer than the 4 "
+                                         r"pipeline stages \(classes: \['Embedding', 'GELU', "
+                                         r"'LayerNorm', 'Linear'\]\)"):
+        segment(_mixed(), 4, "layer:Linear")
+    with pytest.raises(ValueError, match="cannot split 2 layers into 3 pipeline stages"):
+        segment([nn.ReLU()] * 2, 3)
+
+
+def test_schedules_as_data():
+    assert steps("FThenB", 2, 0, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1),
+                                        ("B", 2)]
+    assert steps("F-then-B", 4, 3, 2) == steps("FThenB", 4, 3, 2)
+    assert steps("1F1B", 3, 0, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3),
+                                      ("B", 1), ("B", 2), ("B", 3)]
+    assert steps("1F1B", 3, 2, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    for p in (2, 4, 8):
+        for m in (1, 3, 8, 16):
+            for s in range(p):
+                order = steps("1F1B", p, s, m)
+                assert sorted(order) == sorted(steps("FThenB", p, s, m))  # each step once
+                assert max_in_flight(order) == min(p - s, m) <= p
+                assert max_in_flight(steps("FThenB", p, s, m)) == m
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+def test_schedule_errors():
+    with pytest.raises(ValueError, match=r"unknown schedule_mode 'GPipe': use one of "
+                                         r"\('1F1B', 'FThenB'\)"):
+        normalize_mode("GPipe")
+    with pytest.raises(ValueError, match=r"stage 2 is not in \[0, 2\)"):
+        steps("1F1B", 2, 2, 4)
+
+
+def test_one_stage_builds_everything_with_the_sequential_keys():
+    stage = PipelineLayer(_mixed(), loss_fn=nn.MSELoss())
+    reference = nn.Sequential(*[d.build_layer() if isinstance(d, LayerDesc) else d
+                                for d in _mixed()])
+    assert list(stage.state_dict()) == list(reference.state_dict())
+    stage.load_state_dict(reference.state_dict())
+    tokens = torch.tensor([1, 2, 3])
+    assert torch.equal(stage(tokens), reference(tokens))
+
+
+def test_a_shared_layer_has_the_keys_of_each_place_and_one_parameter():
+    layers = [SharedLayerDesc("embed", nn.Embedding, None, "weight", 10, 4),
+              LayerDesc(nn.Linear, 4, 4),
+              SharedLayerDesc("embed", nn.Embedding, lambda e, h: h @ e.weight.t(), "weight",
+                              10, 4)]
+    stage = PipelineLayer(layers, loss_fn=nn.CrossEntropyLoss())
+    assert list(stage.state_dict()) == ["0.weight", "1.weight", "1.bias", "2.weight"]
+    assert len(list(stage.parameters())) == 3
+    assert stage(torch.tensor([1, 2])).shape == (2, 10)
+
+
+def test_one_stage_train_batch_equals_plain_micro_batching():
+    torch.manual_seed(0)
+    stage = PipelineLayer([LayerDesc(nn.Linear, 3, 5), nn.Tanh(), LayerDesc(nn.Linear, 5, 1)],
+                          loss_fn=nn.MSELoss(), recompute_interval=2)
+    reference = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    reference.load_state_dict(stage.state_dict())
+    model = PipelineParallel(stage, micro_batch_size=2, accumulate_steps=3)
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    loss = model.train_batch([x, y], torch.optim.SGD(stage.parameters(), lr=0.5))
+    ref_loss = nn.functional.mse_loss(reference(x), y)
+    ref_loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-6)
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(stage.state_dict()[key], value, atol=1e-6)
+
+
+def test_errors_name_the_bad_argument():
+    layers = [LayerDesc(nn.Linear, 2, 2)]
+    with pytest.raises(TypeError, match="LayerDesc expects an nn.Module subclass, got 3"):
+        LayerDesc(3)
+    with pytest.raises(ValueError, match=r"PipelineLayer num_stages=2, but without "
+                                         r"torch.distributed initialised \(call fleet.init\)"):
+        PipelineLayer(layers, num_stages=2)
+    with pytest.raises(ValueError, match="recompute_interval must be >= 0, got -1"):
+        PipelineLayer(layers, recompute_interval=-1)
+    with pytest.raises(ValueError, match=r"the last pipeline stage needs "
+                                         r"PipelineLayer\(loss_fn=...\)"):
+        PipelineParallel(PipelineLayer(layers))
+    with pytest.raises(TypeError, match="PipelineParallel expects a PipelineLayer, got Linear"):
+        PipelineParallel(nn.Linear(2, 2))
+    model = PipelineParallel(PipelineLayer(layers, loss_fn=nn.MSELoss()), micro_batch_size=2,
+                             accumulate_steps=2)
+    with pytest.raises(ValueError, match=r"a batch of 3 samples, but pipeline_configs "
+                                         r"micro_batch_size=2 x accumulate_steps=2 = 4"):
+        model.train_batch([torch.zeros(3, 2), torch.zeros(3, 2)], None)
+    with pytest.raises(ValueError, match=r"data must be \[inputs, labels\]"):
+        model.eval_batch(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="unknown schedule_mode 'GPipe'"):
+        PipelineParallel(PipelineLayer(layers, loss_fn=nn.MSELoss()), schedule_mode="GPipe")
