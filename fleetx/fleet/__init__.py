@@ -74,6 +74,7 @@ explain = _fleet.explain
 save_checkpoint = _fleet.save_checkpoint
 load_checkpoint = _fleet.load_checkpoint
 state_bytes = _fleet.state_bytes
+get_hybrid_communicate_group = _fleet.get_hybrid_communicate_group
 applied_strategies = _fleet.applied_strategies
 get_lr = _fleet.get_lr
 set_lr = _fleet.set_lr
@@ -109,6 +110,8 @@ sys.modules[__name__].__class__ = _FleetModule
 
 from fleetx import metrics  # noqa: E402  (fleet.metrics, as in Paddle)
 from fleetx.fleet import utils  # noqa: E402  (fleet.utils, Paddle's module; fleet.util above)
+from fleetx.fleet import meta_parallel  # noqa: E402  (fleet.meta_parallel, as in Paddle)
+from fleetx.parallel.hcg import HybridCommunicateGroup  # noqa: E402  (exported by Paddle's fleet)
 from fleetx.metrics.api import set_default_util  # noqa: E402
 
 # metrics called with util=None use fleet.util, read at each call (users may replace it); the
@@ -116,7 +119,8 @@ from fleetx.metrics.api import set_default_util  # noqa: E402
 set_default_util(lambda: sys.modules[__name__].util)
 
 __all__ = [
-    "metrics", "utils", "Fleet", "FleetError", "RuntimeHandlerError", "DistributedStrategy", "Role", "RoleMakerBase", "PaddleCloudRoleMaker",
+    "metrics", "utils", "meta_parallel", "HybridCommunicateGroup", "get_hybrid_communicate_group",
+    "Fleet", "FleetError", "RuntimeHandlerError", "DistributedStrategy", "Role", "RoleMakerBase", "PaddleCloudRoleMaker",
     "UserDefinedRoleMaker", "UtilBase", "util", "init", "is_first_worker", "worker_index",
     "worker_num", "node_num", "local_rank", "local_device", "local_device_ids",
     "world_device_ids", "is_worker", "is_server", "server_num", "server_index",
