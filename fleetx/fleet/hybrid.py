@@ -45,13 +45,17 @@ class HybridQueries:
                              f"fleet.init(is_collective=True, strategy=...) under fleetrun")
         return self._hcg
 
-    def _init_hybrid(self, world_size: int) -> None:
-        """Resolve the topology (raising at once when it cannot fill ``world_size``), then
-        build the groups and seed the streams if the world's process group exists."""
+    def _resolve_hybrid(self, world_size: int) -> Any:
+        """The topology of ``world_size`` processes; raises before any rendezvous when the
+        degrees cannot fill the world."""
         self._clear_hybrid()
-        topology = resolve(self._strategy, world_size)
+        return resolve(self._strategy, world_size)
+
+    def _init_hybrid(self, topology: Any) -> None:
+        """Build the groups over ``topology`` and seed the streams, if the world's process group
+        exists (a one-process job needs none)."""
         joined = dist.is_available() and dist.is_initialized()
-        if world_size > 1 and not joined:
+        if topology.world_size > 1 and not joined:
             return
         self._hcg = HybridCommunicateGroup(topology)
         set_hcg(self._hcg)

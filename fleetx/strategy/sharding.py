@@ -18,6 +18,8 @@ Stages 2 and 3 change the user's module in place when it is given to ``distribut
 over the shards. With ``dp_degree`` > 1 (``hybrid_dp``) the sharding groups are replicated over
 data-parallel groups: stage 1 shards over its group under world-wide DDP, stages 2 and 3 use
 FSDP2's 2-D ``(replicate, shard)`` mesh. The degrees follow :mod:`fleetx.strategy.topology`.
+At stages 2 and 3 every forward gathers parameters, an eval forward too: it first waits for
+every rank to come to one, and a rank that does not is an error naming it (``eval_guard``).
 Results equal plain data parallel (to rounding): every stage computes the same averaged
 gradient and the same update. Paddle's segment and cast keys, which tune its static-graph pass,
 are accepted and declared without effect.
@@ -162,6 +164,17 @@ class ShardingStrategy(Strategy):
         return expected.sharded(self.strategy.typed_config("sharding").stage, degree)
 
     def apply(self, ctx: TrainingContext) -> None:
+        """Stage 1: rebuild the optimizer over the sharding group. Stages 2 and 3: shard the
+        model in place, guard eval forwards (:func:`eval_guard`) and rebuild the optimizer over
+        the shards; without a model yet, refuse to step.
+
+        Args:
+            ctx: the training context (``model``, ``optimizer``, ``world``).
+
+        Raises:
+            StrategyError: the model was sharded differently before, or the optimizer already
+                holds state or a parameter that is not the model's.
+        """
         topo = resolve(self.strategy, ctx.world.world_size)
         stage = self.strategy.typed_config("sharding").stage
         if stage == 1:

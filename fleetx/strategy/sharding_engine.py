@@ -79,6 +79,9 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     A child sharing a parameter with a module outside it (tied embedding and output weights)
     stays in the root unit: sharding it alone would split the tie into two parameters.
 
+    Args:
+        model: the user's module (the root unit, not listed).
+
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
         >>> [type(u).__name__ for u in sharding_units(m)]
@@ -98,7 +101,12 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
 def device_mesh(device: str, mesh_shape: tuple[int, int]) -> Any:
     """FSDP2's mesh: 1-D over one sharding group, or ``(replicate, shard)`` (HSDP) when
     sharding groups are replicated over data-parallel groups (the layout of
-    :class:`~fleetx.strategy.topology.Topology`)."""
+    :class:`~fleetx.strategy.topology.Topology`).
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``.
+        mesh_shape: ``(dp_degree, sharding_degree)``.
+    """
     dp, sharding = mesh_shape
     if dp == 1:
         return init_device_mesh(device, (sharding,))
@@ -110,6 +118,15 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
     """Apply FSDP2 ``fully_shard`` to ``model`` in place (stage 2 keeps the parameters gathered
     from forward to backward, stage 3 frees them after each unit's forward); a module already
     sharded the same way is left as it is.
+
+    Args:
+        model: the user's module, changed in place (parameters become ``DTensor`` shards).
+        stage: 2 or 3.
+        mesh_shape: ``(dp_degree, sharding_degree)``, see :func:`device_mesh`.
+        device: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        The module's :class:`ShardRecord` (the names of its original parameters).
 
     Raises:
         StrategyError: the module was already sharded at another stage or layout (FSDP2 cannot
@@ -144,6 +161,15 @@ def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], Con
     outputs, then a crash or a wait for ever. This barrier, on a gloo group of its own, turns
     that into an error naming the ranks that did not come. Training forwards run on every rank
     anyway and are not checked.
+
+    Args:
+        model: the sharded module; its ``training`` flag says whether a forward is an eval one.
+        stage: the sharding stage (named in the error).
+        timeout: seconds to wait for the other ranks (``FLEETX_TIMEOUT``).
+
+    Example::
+
+        ctx.forward_contexts.append(eval_guard(model, 3, timeout=300.0))
 
     Raises:
         CommError: (when the context is entered) a rank did not run an eval forward in time.
@@ -182,7 +208,11 @@ def _own_group(purpose: str) -> Any:
 def _cached(optimizer: torch.optim.Optimizer, key: tuple,
             build: Callable[[], torch.optim.Optimizer]) -> torch.optim.Optimizer:
     """The optimizer built for ``optimizer`` under ``key``, built once (a re-plan reuses it
-    with its state)."""
+    with its state).
+
+    Raises:
+        StrategyError: ``optimizer`` already holds state (it would be dropped).
+    """
     built = optimizer.__dict__.get(_BUILT)
     if built is not None and built[0] == key:
         return built[1]
@@ -198,7 +228,11 @@ def _cached(optimizer: torch.optim.Optimizer, key: tuple,
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
-    """A new optimizer of ``optimizer``'s class and defaults over ``groups``."""
+    """A new optimizer of ``optimizer``'s class and defaults over ``groups``.
+
+    Raises:
+        StrategyError: the class does not accept its own defaults as keyword arguments.
+    """
     try:
         return type(optimizer)(groups, **optimizer.defaults)
     except TypeError as err:
@@ -213,6 +247,11 @@ def rebound_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     """``optimizer`` itself when it already holds the sharded parameters, else a new one of the
     same class, groups and hyperparameters over them (old parameter -> name -> new parameter).
 
+    Args:
+        optimizer: the user's optimizer, built before or after the model was sharded.
+        model: the sharded module.
+        record: the module's :class:`ShardRecord` from :func:`shard_in_place`.
+
     Raises:
         StrategyError: the optimizer holds a parameter that is not the model's, or already
             holds state.
@@ -220,14 +259,16 @@ def rebound_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
     current = dict(model.named_parameters())
     mine = {id(p) for p in current.values()}
     groups, moved = [], False
-    for group in optimizer.param_groups:
+    for index, group in enumerate(optimizer.param_groups):
         params = []
         for p in group["params"]:
             name = None if id(p) in mine else record.names.get(p)
             if id(p) not in mine and name is None:
                 raise StrategyError(
-                    f"sharding: the optimizer holds a parameter of shape {tuple(p.shape)} that "
-                    f"is not a parameter of the model given to fleet.distributed_model")
+                    f"sharding: param group {index} of the {type(optimizer).__name__} holds a "
+                    f"parameter of shape {tuple(p.shape)} that is not a parameter of the model "
+                    f"given to fleet.distributed_model; build the optimizer over that model's "
+                    f"parameters only")
             params.append(p if name is None else current[name])
             moved = moved or name is not None
         groups.append(dict(group, params=params))
@@ -239,7 +280,12 @@ def rebound_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module,
 
 def sharding_group(groups: list[list[int]], rank: int) -> Any:
     """This rank's process group among ``groups`` (the sharding groups); None (the default
-    group) when there is one group. Every rank creates every group, once per default group."""
+    group) when there is one group. Every rank creates every group, once per default group.
+
+    Args:
+        groups: the ranks of each sharding group (every rank is in exactly one).
+        rank: this process's global rank.
+    """
     if len(groups) == 1:
         return None
     key = (id(dist.group.WORLD), tuple(map(tuple, groups)))
@@ -252,6 +298,10 @@ def sharding_group(groups: list[list[int]], rank: int) -> Any:
 def zero_optimizer(optimizer: torch.optim.Optimizer, group: Optional[Any]) -> ZeroRedundancyOptimizer:
     """A ``ZeroRedundancyOptimizer`` over ``group`` with ``optimizer``'s class, parameter groups
     and defaults (built once per user optimizer; a re-plan reuses it).
+
+    Args:
+        optimizer: the user's optimizer (no state yet).
+        group: the sharding group (None: the default group), see :func:`sharding_group`.
 
     Raises:
         StrategyError: the user's optimizer already holds state.
