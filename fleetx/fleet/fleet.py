@@ -22,6 +22,7 @@ from fleetx.fleet import applied
 from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerError: re-exported
 from fleetx.fleet.checkpoints import CheckpointCalls
 from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
+from fleetx.fleet.hybrid import HybridQueries
 from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
@@ -36,7 +37,8 @@ from fleetx.strategy.planner import plan_for
 
 __all__ = ["Fleet", "FleetError", "RuntimeHandlerError"]
 
-class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, CheckpointCalls):
+class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, CheckpointCalls,
+            HybridQueries):
     """One process's view of a distributed job.
 
     Example:
@@ -91,6 +93,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             TypeError: ``strategy`` is not a ``DistributedStrategy``.
             fleetx.env.EnvError: the launcher environment is missing or inconsistent, or
                 ``is_collective=True`` in a parameter-server launch.
+            fleetx.strategy.api.StrategyError: in a collective job, ``hybrid_configs``' degrees
+                cannot fill the world (each named as ``name=value``, with the world size) or
+                two places set one degree to different values.
         """
         if role_maker is None:
             if not isinstance(is_collective, bool):
@@ -114,10 +119,13 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             self._backend = pick_backend()
             if self._backend == "nccl":
                 torch.cuda.set_device(role_maker._get_local_rank() % torch.cuda.device_count())
+            topology = self._resolve_hybrid(role_maker._worker_num())
             launched = isinstance(role_maker, PaddleCloudRoleMaker)
             if launched and role_maker._worker_num() > 1 and not self._dry_run():
                 self._communicator()
+            self._init_hybrid(topology)
         else:
+            self._clear_hybrid()
             self._backend = "gloo"  # parameter-server workers only need host-side collectives
 
     @staticmethod
@@ -160,6 +168,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
 
     def _shutdown(self) -> None:
         """Leave the world: destroy the process groups and release the store (also at exit)."""
+        self._clear_hybrid()  # its groups go with the world's
         if self._comm is not None:
             self._comm.close()
             self._comm = None
