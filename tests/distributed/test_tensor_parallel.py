@@ -7,7 +7,10 @@ compares with the unsplit layer run in one process (1e-6). ``ParallelCrossEntrop
 with ``torch.nn.functional.cross_entropy`` over the full logits; a 2-layer MLP
 (``ColumnParallelLinear(gather_output=False)`` + ``RowParallelLinear(input_is_parallel=True)``)
 trains like the unsplit MLP under SGD with momentum and under Adam (1e-5, float32). The errors
-are recorded in the ranks and checked here.
+are recorded in the ranks and checked here. The tensor-parallelism example of
+docs/model_parallel.md runs first, as written (``fleet.init`` with ``mp_degree`` 2, the layers on
+the topology's model-parallel group): every rank gets the losses of the unsplit model built
+after the same seed and trained on one process (1e-5, float32).
 
 One spawn runs every case; the parent compares.
 """
@@ -26,6 +29,7 @@ from spawn import run_and_load  # noqa: E402
 
 WORLD, IN, OUT, VOCAB, DIM, N, STEPS = 2, 6, 8, 10, 4, 5, 4
 TOL = 1e-6
+DOC = Path(__file__).resolve().parents[2] / "docs" / "model_parallel.md"
 
 
 def _data(seed: int, *shape: int, dtype=torch.float64) -> torch.Tensor:
@@ -172,16 +176,26 @@ def _error_cases(group) -> dict:
     }
 
 
+def _example() -> str:
+    section = DOC.read_text(encoding="utf-8").split("## Tensor parallelism", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _doc_case() -> dict:
+    scope: dict = {}
+    exec(compile(_example(), str(DOC), "exec"), scope)  # calls fleet.init: the world's group
+    return {"losses": scope["losses"], "head": tuple(scope["model"][4].weight.shape)}
+
+
 def _work(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
-    dist.init_process_group("gloo")
+    doc = _doc_case()
     group = dist.new_group(list(range(world)))
-    results = {"layers": _layer_cases(rank, group), "init": _init_cases(group),
+    results = {"doc": doc, "layers": _layer_cases(rank, group), "init": _init_cases(group),
                "ce": _cross_entropy_cases(rank, group),
                "mlp": {o: _mlp(rank, group, o) for o in ("sgd", "adam")},
                "errors": _error_cases(group)}
     torch.save(results, f"{out}/rank{rank}.pt")
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +318,29 @@ def test_errors_name_the_numbers_and_the_way_out(ranks):
                                            "(1, 2) do not match logits of shape (2, 4)")
         assert e["label_type"].startswith("TypeError: ParallelCrossEntropy: labels must be "
                                           "integer class ids")
+
+
+def _unsplit_doc_losses() -> list:
+    vocab, width = 1000, 64
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(vocab, width), nn.Linear(width, 4 * width), nn.GELU(),
+                          nn.Linear(4 * width, width), nn.Linear(width, vocab, bias=False))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, vocab, (8, 17), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(3):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_documented_example_trains_like_the_unsplit_model(ranks):
+    want = _unsplit_doc_losses()
+    assert want[-1] < want[0]  # the steps trained (equal untrained losses would prove little)
+    for r in ranks:
+        assert r["doc"]["head"] == (500, 64)  # each rank holds half of the vocabulary head
+        assert max(abs(a - b) for a, b in zip(r["doc"]["losses"], want)) <= 1e-5
