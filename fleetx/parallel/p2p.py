@@ -10,8 +10,9 @@ its stage and rank.
 """
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,22 +50,33 @@ class P2P:
     def _peer(self, stage: int) -> str:
         return f"stage {stage} (rank {self.pipe.ranks[stage]})"
 
-    def _wait(self, work: Any, what: str) -> None:
+    @contextlib.contextmanager
+    def _naming(self, what: str) -> Iterator[None]:
+        """Turn the transport's error (a closed connection, a timeout) into one naming the
+        peer stage."""
         try:
-            work.wait(self.timeout)
+            yield
         except RuntimeError as error:
             me = self._peer(self.pipe.stage)
             raise PipelineError(f"pipeline {me}: {what} failed within "
                                 f"{self.timeout.total_seconds():.0f} s ({error})") from error
 
+    def _wait(self, work: Any, what: str) -> None:
+        with self._naming(what):
+            work.wait(self.timeout)
+
     def _send(self, tensor: torch.Tensor, stage: int, tag: int, what: str) -> None:
         tensor = tensor.detach().contiguous()
-        work = dist.isend(tensor, self.pipe.ranks[stage], group=self.pipe.group, tag=tag)
-        self._pending.append((work, tensor, f"{what} to {self._peer(stage)}"))
+        what = f"sending {what} to {self._peer(stage)}"
+        with self._naming(what):
+            work = dist.isend(tensor, self.pipe.ranks[stage], group=self.pipe.group, tag=tag)
+        self._pending.append((work, tensor, what))
 
     def _recv(self, like: torch.Tensor, stage: int, tag: int, what: str) -> torch.Tensor:
-        work = dist.irecv(like, self.pipe.ranks[stage], group=self.pipe.group, tag=tag)
-        self._wait(work, f"receiving {what} from {self._peer(stage)}")
+        what = f"receiving {what} from {self._peer(stage)}"
+        with self._naming(what):
+            work = dist.irecv(like, self.pipe.ranks[stage], group=self.pipe.group, tag=tag)
+        self._wait(work, what)
         return like
 
     def send_forward(self, tensors: Sequence[torch.Tensor], first: bool) -> None:
@@ -105,7 +117,7 @@ class P2P:
         """Wait for every send of the mini-batch."""
         pending, self._pending = self._pending, []
         for work, _, what in pending:
-            self._wait(work, f"sending {what}")
+            self._wait(work, what)
 
 
 def _encode(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -8,10 +8,16 @@ schedules and with recompute; under amp (bfloat16 autocast on CPU) against the u
 under the same autocast and micro-batching; a tied embedding / output projection
 (``SharedLayerDesc``) stays equal on the two stages that hold it and equals the unsplit model's
 one weight. One spawn per world size runs every case.
+
+A stage that dies (SIGKILL) or stays silent makes its neighbour fail within the transfer timeout
+with an error naming the stage and its rank.
 """
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +25,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import run_and_load  # noqa: E402
+from spawn import _entry, run_and_load  # noqa: E402
+from helpers import free_port  # noqa: E402
 
 MICRO, ACC, STEPS, WIDTH, VOCAB = 2, 4, 3, 16, 12
 CASES = {  # name -> (schedule_mode, recompute_interval, amp, seg_method)
@@ -206,3 +213,41 @@ def test_four_stages_equal_the_unsplit_model(tmp_path):
     ranks = run_and_load(_train, 4, tmp_path, deadline=600)
     _check(ranks, 4)
     _check_tied(ranks)
+
+
+def _faulty(rank: int, world: int, out: str, fault: str) -> None:
+    import torch.distributed as dist
+    from fleetx.parallel.p2p import PipelineError
+    dist.init_process_group("gloo")
+    model = _stage(mlp_layers(desc=True), unsplit_mlp().state_dict(), nn.MSELoss(), "1F1B", 0,
+                   False, "uniform")
+    model.p2p.timeout = __import__("datetime").timedelta(seconds=5)
+    if rank == 1:
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(40)  # silent: never sends or receives
+        return
+    try:
+        model.train_batch(list(batches()[0]), sgd(model.parameters()))
+    except PipelineError as error:
+        Path(out, "error.txt").write_text(str(error))
+
+
+@pytest.mark.parametrize("fault", ["kill", pytest.param("silent", marks=pytest.mark.slow)])
+def test_a_dead_or_silent_stage_is_an_error_naming_it(tmp_path, fault):
+    import torch.multiprocessing as mp
+    context = mp.start_processes(_entry, args=(_faulty, 2, free_port(), (str(tmp_path), fault)),
+                                 nprocs=2, start_method="spawn", join=False)
+    first = context.processes[0]
+    try:
+        first.join(timeout=120)  # generous: the bound is the 5 s timeout plus start-up
+        assert first.exitcode == 0
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    message = (tmp_path / "error.txt").read_text()
+    # which transfer notices first depends on timing (a send to a dead peer, or the wait for
+    # its gradient); every one names the peer
+    assert message.startswith("pipeline stage 0 (rank 0): "), message
+    assert " stage 1 (rank 1) failed within 5 s" in message, message
