@@ -12,16 +12,20 @@ Layout of the save folder (``path/save-<id>/``)::
                                   "optim.param_groups.<name>.<key>" (names as in
                                   ``named_parameters()``), and each rank's own tensors
                                   "fleetx/rank<r>/..." (strategy tensors, gradients, and
-                                  its copy of the replicated tensors if the ranks' differ)
+                                  its copy of each replicated tensor whose copies differ
+                                  between ranks)
     fleetx.json                   rank 0: format, world size, applied strategies, ``extra``
     strategy-rank<r>.json         rank r: each strategy's state, tensors as references
 
 What is global and what is per rank:
 
 * parameters, optimizer moments and step counts, learning rates: global; they load exactly at
-  any world size and under any strategy (DCP re-shards them). When the ranks' replicated
-  copies differ at the save (Local SGD between averages, its momenta), each rank loads its own
-  copy at the same world size and rank 0's at another.
+  any world size and under any strategy (DCP re-shards them), sharded or not. A sharded job
+  writes each of them once: a ZeRO partition's state by the rank that owns it, FSDP2's
+  DTensors shard by shard. When the ranks' copies of a replicated tensor differ at the save
+  (Local SGD between averages, its momenta), each rank also saves its own copy: a job that
+  resumes at the same world size under the same strategies loads each rank's own, any other
+  (another size, other strategies, a sharded job) rank 0's on every rank.
 * strategy state (loss scale, Local SGD and adaptive Local SGD counters, gradient-merge
   micro-step, DGC step, traffic counters) and gradients still being accumulated (gradient
   merge between updates): saved by every rank. At the same world size each rank loads its
@@ -170,9 +174,11 @@ def load(path: str, ts: TrainingState) -> dict:
         _check_model_keys(ckpt, state["model"], available)
         if optimizer is not None:
             state["optim"] = _optimizer_template(ts.module, optimizer, available)
-        # Each rank's own copy of diverging replicas at the same world size, unless this job
-        # shards them (then every rank takes rank 0's, as at another size).
-        own = same and not any(_is_sharded(v) for part in state.values() for v in part.values())
+        # Each rank takes its own copy of diverging replicas only when it resumes the job that
+        # saved them (same world size and strategies); a job that keeps the ranks' copies equal
+        # (data parallel, ZeRO) or shards them (FSDP2) takes rank 0's on every rank.
+        own = (same and list(ts.strategies) == meta.get("strategies")
+               and not any(_is_sharded(v) for part in state.values() for v in part.values()))
         replica = (record if own else ckpt.read_json(_state_file(0))).get("replica")
         refs = tensor_templates(dict(record if same else {}, replica=replica), available)
         with _quiet_single_process(ts):

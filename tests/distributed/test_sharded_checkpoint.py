@@ -14,6 +14,7 @@ The optimizer state is compared by parameter name, gathered whole from whatever 
 """
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -45,19 +46,25 @@ def batches(n: int):
             for _ in range(n)]
 
 
-def build(stage: int, seed: int = 1):
-    """A fresh fleet, model and Adam; ``stage`` 0 leaves sharding off."""
+def build(stage: int, seed: int = 1, localsgd: bool = False, sgd: bool = False):
+    """A fresh fleet, model and Adam (momentum SGD with ``sgd``, which Local SGD needs);
+    ``stage`` 0 leaves sharding off."""
     from fleetx import fleet
     s = fleet.DistributedStrategy()
     if stage:
         s.sharding = True
         s.sharding_configs = {"stage": stage}
+    if localsgd:  # after step 1 each rank steps on its own gradients, averaging at step 4
+        s.localsgd = True
+        s.localsgd_configs = {"k_steps": 3, "begin_step": 1}
     f = fleet.Fleet()
     f.init(is_collective=True, strategy=s)
     model = f.distributed_model(make_model(seed))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        opt = f.distributed_optimizer(torch.optim.Adam(model.parameters(), lr=LR))
+        opt = f.distributed_optimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if sgd or localsgd
+            else torch.optim.Adam(model.parameters(), lr=LR))
     return f, model, opt
 
 
@@ -106,8 +113,12 @@ def _sharded_jobs(rank: int, world: int, out: str) -> None:
         results[f"stage{stage}"] = {
             "at_save": at_save, "loaded": loaded, "extra": extra, "plan": f.applied_strategies(),
             "end": snapshot(model, opt)["params"], "resumed_end": snapshot(resumed, ropt)["params"]}
-    for ckpt, stage in CROSS + (("one", 1), ("one", 3)):
-        g, model, opt = build(stage, seed=9)
+    f, model, opt = build(0, localsgd=True)
+    train(model, opt, data[:SAVE_AT], rank, world)  # 3 steps: the ranks' copies differ
+    f.save_checkpoint(f"{out}/localsgd")
+    results["localsgd"] = {"at_save": snapshot(model, opt)}
+    for ckpt, stage in CROSS + (("one", 1), ("one", 3), ("localsgd", 1), ("localsgd", 3)):
+        g, model, opt = build(stage, seed=9, sgd=ckpt == "localsgd")
         g.load_checkpoint(f"{out}/{ckpt}")
         results[f"{ckpt}->{stage}"] = {"loaded": snapshot(model, opt),
                                        "plan": g.applied_strategies()}
@@ -134,7 +145,8 @@ def two(tmp_path_factory):
 
 
 def assert_same_state(got: dict, want: dict) -> None:
-    """Parameters, Adam moments and step counts exactly equal, and the learning rate."""
+    """Parameters, optimizer state (Adam's moments and step counts, SGD's momenta) exactly
+    equal, and the learning rate."""
     assert max_diff(got["params"], want["params"]) == 0
     assert got["optim"].keys() == want["optim"].keys() and want["optim"]
     for name, state in want["optim"].items():
@@ -170,6 +182,30 @@ def test_a_one_process_checkpoint_loads_into_two_sharded_processes(two, stage):
     _, one, ranks = two
     for r in ranks:
         assert_same_state(r[f"one->{stage}"]["loaded"], one)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_diverging_replicas_load_into_a_sharded_job_as_rank_0s_copy(two, stage):
+    """Local SGD between averages: the ranks' parameters and moments differ, each rank saves
+    its own copy, and a sharded job at the same world size takes rank 0's on every rank."""
+    out, _, ranks = two
+    copies = [r["localsgd"]["at_save"] for r in ranks]
+    assert max_diff(copies[0]["params"], copies[1]["params"]) > 1e-4
+    assert _replica_of(out / "localsgd") is not None
+    for r in ranks:
+        assert_same_state(r[f"localsgd->{stage}"]["loaded"], copies[0])
+
+
+def _replica_of(ckpt: Path):
+    (folder,) = ckpt.glob("save-*")
+    return json.loads((folder / "strategy-rank0.json").read_text())["replica"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_sharded_checkpoints_hold_no_per_rank_copies(two, stage):
+    """A ZeRO partition's keys are disjoint and FSDP2's are shards: nothing is replicated."""
+    out, _, _ = two
+    assert _replica_of(out / f"stage{stage}") is None
 
 
 @pytest.mark.usefixtures("one_process")
