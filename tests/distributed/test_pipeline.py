@@ -251,3 +251,29 @@ def test_a_dead_or_silent_stage_is_an_error_naming_it(tmp_path, fault):
     # its gradient); every one names the peer
     assert message.startswith("pipeline stage 0 (rank 0): "), message
     assert " stage 1 (rank 1) failed within 5 s" in message, message
+
+
+def _through_fleet(rank: int, world: int, out: str) -> None:
+    from fleetx import fleet
+    from fleetx.fleet.meta_parallel import PipelineLayer, PipelineParallel
+    s = fleet.DistributedStrategy()
+    s.hybrid_configs = {"dp_degree": 1, "pp_degree": world}
+    s.pipeline_configs = {"micro_batch_size": MICRO, "accumulate_steps": ACC,
+                          "schedule_mode": "F-then-B"}
+    fleet.init(is_collective=True, strategy=s)
+    stage = PipelineLayer(mlp_layers(desc=True), loss_fn=nn.MSELoss())
+    stage.load_state_dict({k: v for k, v in unsplit_mlp().state_dict().items()
+                           if k in stage.state_dict()})
+    model = fleet.distributed_model(stage)
+    assert isinstance(model, PipelineParallel) and model.schedule_mode == "FThenB"
+    opt = fleet.distributed_optimizer(sgd(stage.parameters()))
+    losses = [model.train_batch(list(b), opt).item() for b in batches()]
+    torch.save({"losses": losses, "state": model.state_dict()}, f"{out}/rank{rank}.pt")
+
+
+def test_fleet_distributed_model_runs_a_pipeline_layer_with_pipeline_configs(tmp_path):
+    ranks = run_and_load(_through_fleet, 2, tmp_path, deadline=300)
+    losses, state = _reference(unsplit_mlp(), batches(), False, nn.MSELoss())
+    merged = {**ranks[0]["state"], **ranks[1]["state"]}
+    assert ranks[0]["losses"] == pytest.approx(losses, abs=1e-5)
+    assert max((merged[k] - v).abs().max().item() for k, v in state.items()) <= 1e-5
