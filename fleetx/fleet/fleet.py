@@ -31,7 +31,8 @@ from fleetx.parallel.pipeline import PipelineLayer
 from fleetx.fleet.trial import apply_plan, run_trial
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
 from fleetx.fleet.util import UtilBase
-from fleetx.strategy.api import Mode, Plan, TrainingContext, WorldInfo, registered
+from fleetx.strategy.api import (Mode, Plan, StrategyError, TrainingContext, WorldInfo,
+                                 registered)
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.planner import plan_for
 
@@ -266,10 +267,16 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
 
     def _shapes_model(self) -> bool:
         """Whether an applied strategy changes the model in place (a dry run changes
-        nothing: it stops at distributed_optimizer)."""
+        nothing: it stops at distributed_optimizer). A strategy that cannot run as configured
+        is reported by distributed_optimizer, where every precondition is checked with the
+        optimizer known (and a strategy given there may still replace this one)."""
         if self._dry_run():
             return False
-        plan = plan_for(self._strategy, self._world(), self._models[-1].module, self._optimizer)
+        try:
+            plan = plan_for(self._strategy, self._world(), self._models[-1].module,
+                            self._optimizer)
+        except StrategyError:
+            return False
         return any(registered(name).shapes_model for name in plan.applied)
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer,
