@@ -16,6 +16,10 @@ from fleetx.parallel import (ColumnParallelLinear, ParallelCrossEntropy,  # noqa
 __all__ += ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
             "ParallelCrossEntropy"]
 
+from fleetx.parallel import ShardedClassifier  # noqa: E402
+
+__all__ += ["ShardedClassifier"]
+
 from fleetx.parallel.p2p import PipelineError  # noqa: E402
 from fleetx.parallel.pipeline import LayerDesc, PipelineLayer, SharedLayerDesc  # noqa: E402
 from fleetx.parallel.pipeline_parallel import PipelineParallel  # noqa: E402

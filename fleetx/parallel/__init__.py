@@ -22,3 +22,7 @@ from fleetx.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
 
 __all__ += ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
             "ParallelCrossEntropy", "parallel_cross_entropy", "sharded_parameters"]
+
+from fleetx.parallel.classifier import ShardedClassifier  # noqa: E402
+
+__all__ += ["ShardedClassifier"]
