@@ -113,6 +113,7 @@ def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manif
         CheckpointError: a file cannot be written or committed (the previous checkpoint stays).
     """
     extra = _checked_extra(extra)
+    _refuse_unreduced_grads(ts.module)
     writer = _joined_writer(path, ts)
     tensors: dict[str, torch.Tensor] = {}
     prefix = f"fleetx/rank{ts.rank}/"
@@ -263,6 +264,30 @@ def _put_replica(state: dict, copies: Mapping) -> None:
 
 def _is_sharded(tensor: Any) -> bool:
     return hasattr(tensor, "device_mesh")
+
+
+def _refuse_unreduced_grads(module: nn.Module) -> None:
+    """Refuse to save while FSDP2 holds gradients accumulated without synchronisation.
+
+    Between the micro-steps of a gradient merge (or inside ``model.no_sync()``), FSDP2 keeps
+    each rank's gradients unsharded inside its own parameter records, not on the sharded
+    parameters a checkpoint reads: saving would drop them, and resuming would silently differ.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    pending = []
+    for sub in module.modules():
+        group = sub._get_fsdp_state()._fsdp_param_group if isinstance(sub, FSDPModule) else None
+        for fp in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if fp.unsharded_accumulated_grad is not None or getattr(unsharded, "grad", None) \
+                    is not None:
+                pending.append(fp._param_fqn or type(sub).__name__)
+    if pending:
+        raise CheckpointError(
+            f"cannot save while sharding stage 2 or 3 (FSDP2) holds gradients accumulated "
+            f"without synchronisation ({len(pending)} parameters, first {pending[0]!r}): they "
+            f"are kept outside the sharded parameters and would be lost; save where "
+            f"minimize() returned True (after the update that ends a gradient merge)")
 
 
 def _local_grads(module: nn.Module) -> dict:

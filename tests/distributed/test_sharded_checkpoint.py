@@ -5,9 +5,12 @@ middle, trains on; a fresh job of the same stage loads the checkpoint and trains
 parameters equal the uninterrupted run (1e-6), and what was loaded equals what was saved
 exactly (parameters, Adam moments, step counts, learning rate). The same spawn loads the
 checkpoints under other strategies (stage 1 -> stage 3, stage 3 -> stage 1, stage 2 -> sharding
-off) and loads a checkpoint the parent saved from one plain process into stages 1 and 3. The
-parent loads each 2-process sharded checkpoint into one plain process. Four processes (slow):
-the 2-process checkpoints load into 4 under other stages, 4 save, and 2 load that back.
+off), loads a checkpoint the parent saved from one plain process into stages 1 and 3, loads a
+Local SGD checkpoint (the ranks' copies differ) into stages 1 and 3, and checks that stages 2
+and 3 with gradient merge refuse a save between micro-steps (stage 3 resumes from one after
+the update). The parent loads each 2-process sharded checkpoint into one plain process. Four
+processes (slow): the 2-process checkpoints load into 4 under other stages or without
+sharding, 4 save, and 2 load that back.
 
 The optimizer state is compared by parameter name, gathered whole from whatever layout holds it
 (ZeroRedundancyOptimizer's consolidated state dict, FSDP2's DTensor shards).
@@ -46,7 +49,8 @@ def batches(n: int):
             for _ in range(n)]
 
 
-def build(stage: int, seed: int = 1, localsgd: bool = False, sgd: bool = False):
+def build(stage: int, seed: int = 1, localsgd: bool = False, sgd: bool = False,
+          merge: int = 1):
     """A fresh fleet, model and Adam (momentum SGD with ``sgd``, which Local SGD needs);
     ``stage`` 0 leaves sharding off."""
     from fleetx import fleet
@@ -57,6 +61,9 @@ def build(stage: int, seed: int = 1, localsgd: bool = False, sgd: bool = False):
     if localsgd:  # after step 1 each rank steps on its own gradients, averaging at step 4
         s.localsgd = True
         s.localsgd_configs = {"k_steps": 3, "begin_step": 1}
+    if merge > 1:
+        s.gradient_merge = True
+        s.gradient_merge_configs = {"k_steps": merge}
     f = fleet.Fleet()
     f.init(is_collective=True, strategy=s)
     model = f.distributed_model(make_model(seed))
@@ -122,7 +129,32 @@ def _sharded_jobs(rank: int, world: int, out: str) -> None:
         g.load_checkpoint(f"{out}/{ckpt}")
         results[f"{ckpt}->{stage}"] = {"loaded": snapshot(model, opt),
                                        "plan": g.applied_strategies()}
+    results["merge"] = _merge_at_stages_2_3(data, rank, world, out)
     torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def _merge_at_stages_2_3(data, rank: int, world: int, out: str) -> dict:
+    """Stages 2 and 3 with a 2-step gradient merge: a save between micro-steps is refused (FSDP2
+    holds the accumulated gradients unsharded, outside what a checkpoint reads); a save after
+    the update resumes like the uninterrupted run (stage 3)."""
+    from fleetx.checkpoint import CheckpointError
+    refused = {}
+    for stage in (2, 3):
+        f, model, opt = build(stage, merge=2)
+        train(model, opt, data[:3], rank, world)
+        try:
+            f.save_checkpoint(f"{out}/merge")
+            refused[stage] = ""
+        except CheckpointError as e:
+            refused[stage] = str(e)
+    train(model, opt, data[3:4], rank, world)  # the update that ends stage 3's merge
+    f.save_checkpoint(f"{out}/merge")
+    train(model, opt, data[4:], rank, world)
+    g, resumed, ropt = build(3, seed=7, merge=2)
+    g.load_checkpoint(f"{out}/merge")
+    train(resumed, ropt, data[4:], rank, world)
+    return {"refused": refused, "end": snapshot(model, opt)["params"],
+            "resumed_end": snapshot(resumed, ropt)["params"]}
 
 
 def _one_process_save(out: Path) -> dict:
@@ -166,6 +198,17 @@ def test_resuming_a_sharded_job_equals_uninterrupted_training(two, stage):
         assert_same_state(res["loaded"], res["at_save"])
         assert max_diff(res["resumed_end"], res["end"]) <= 1e-6
         assert max_diff(res["end"], res["at_save"]["params"]) > 1e-4  # it trained on
+
+
+def test_stages_2_and_3_with_gradient_merge_save_only_at_an_update(two):
+    out, _, ranks = two
+    for r in ranks:
+        for stage in (2, 3):
+            assert r["merge"]["refused"][stage].startswith(
+                "cannot save while sharding stage 2 or 3 (FSDP2) holds gradients accumulated "
+                "without synchronisation (6 parameters, first '0.weight')"), stage
+        assert max_diff(r["merge"]["resumed_end"], r["merge"]["end"]) <= 1e-6
+    assert len(list((out / "merge").glob("save-*"))) == 1  # the refused save wrote nothing
 
 
 @pytest.mark.parametrize("ckpt,stage", CROSS)
