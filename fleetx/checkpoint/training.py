@@ -33,6 +33,8 @@ What is global and what is per rank:
   residuals and momentum, accumulated gradients) are dropped: DGC rebuilds its buffers as it
   does when it starts, and gradients start from none, so save at an update boundary
   (``minimize`` returned True) to resume at another world size without losing micro-steps.
+  Under FSDP2 (sharding stages 2 and 3) the gradients of an unfinished merge are kept
+  outside the sharded parameters, so a save there is refused.
 * strategies applied now but absent from the checkpoint keep their fresh state; state of
   strategies not applied now is ignored, and so is state a strategy creates only with the
   engine at the first forward (data parallel's traffic counters, a diagnostic) when loading

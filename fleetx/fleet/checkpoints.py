@@ -34,7 +34,9 @@ class CheckpointCalls:
         Raises:
             FleetError: called before ``fleet.distributed_model``.
             TypeError: ``extra`` is not a JSON-able dict.
-            fleetx.checkpoint.CheckpointError: a file cannot be written or committed.
+            fleetx.checkpoint.CheckpointError: a file cannot be written or committed, or
+                sharding stage 2 or 3 holds gradients of an unfinished gradient merge
+                (save where ``minimize`` returned True).
 
         Example:
             >>> fleet.save_checkpoint("ckpt", extra={"step": step})   # every rank
