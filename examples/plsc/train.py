@@ -1,6 +1,6 @@
 """Train an embedding network with a class-sharded ArcFace head on Fashion-MNIST (PLSC).
 
-    fleetrun --nproc_per_node 2 examples/plsc/train.py --epochs 5 --target 0.85
+    fleetrun --nproc_per_node 2 examples/plsc/train.py --epochs 3 --target 0.85
 
 ``hybrid_configs = {"mp_degree": 2}``: both processes run the same backbone on the same batch
 (a small CNN that maps an image to a 64-dimensional feature); the head's 10 class centres are
@@ -53,7 +53,7 @@ def accuracy(backbone: nn.Module, head: nn.Module, x: torch.Tensor, y: torch.Ten
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--mp_degree", type=int, default=2)
