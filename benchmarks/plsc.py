@@ -94,8 +94,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"ArcFace head, {args.classes:,} classes x {args.in_features}, batch {args.batch}, "
           f"float32, SGD momentum; {os.cpu_count()} cores, 1 thread per process")
-    print("| mp | head MiB per rank (param + grad + momentum) | per rank x mp, over the first row | peak RSS MiB "
-          "per rank | step ms (median) |")
+    print("| mp | head MiB per rank (param + grad + momentum) | per rank x mp, over the first "
+          "row | peak RSS MiB per rank | step ms (median) |")
     print("|---|---|---|---|---|")
     base = None
     for degree in args.mp:
