@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
                         help="comma-separated amp_configs['custom_black_list']; auto: 'Linear' "
                              "on a CPU without fast bfloat16 (see README), else none")
     parser.add_argument("--sample_tokens", type=int, default=400)
+    parser.add_argument("--progress_every", type=float, default=5.0,
+                        help="seconds between progress lines when stdout is not a terminal")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max_ratio", type=float, default=0.0,
                         help="exit non-zero unless the final held-out loss is below this "
@@ -140,7 +142,8 @@ def main() -> None:
 
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own windows
     tokens_per_update = args.k_steps * args.batch_size * args.block_size * world
-    progress = Progress(args.steps * tokens_per_update, fleet.is_first_worker(), unit="tokens")
+    progress = Progress(args.steps * tokens_per_update, fleet.is_first_worker(),
+                        every=args.progress_every, unit="tokens")
     start, updates, loss = time.monotonic(), 0, float("nan")
     while updates < args.steps:
         optimizer.set_lr(learning_rate(updates, args))

@@ -55,6 +55,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._comm: Optional[ProcessGroups] = None
         self._backend: Optional[str] = None
         self._models: list = []
+        self._stages: list = []  # the PipelineLayers given to distributed_model
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._dist_optimizer: Optional[DistributedOptimizer] = None
         self._ctx: Optional[TrainingContext] = None
@@ -113,6 +114,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             self._shutdown()  # a re-init into another world leaves the old one
         self._role_maker = role_maker
         self._ctx, self._plan, self._models, self._search = None, None, [], None
+        self._stages = []
         self._optimizer, self._dist_optimizer = None, None
         self._warned = set()
         if role_maker.is_collective:
@@ -254,6 +256,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             raise ValueError(f"fleet.distributed_model expects a torch.nn.Module, "
                              f"got {type(model).__name__}")
         if isinstance(model, PipelineLayer):  # its stage runs through the pipeline's schedule
+            self._stages.append(model)
             return pipeline_model(model, self._strategy, self.local_device().type)
         wrapped = DistributedModel(model, self._context)
         self._models.append(wrapped)
@@ -307,7 +310,8 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             self._strategy = self._checked_strategy(strategy, "distributed_optimizer")
         self._optimizer = optimizer
         ctx = self._build_context()
-        self._dist_optimizer = DistributedOptimizer(ctx)
+        self._dist_optimizer = DistributedOptimizer(
+            ctx, modules=lambda: [m.module for m in self._models] + self._stages)
         return self._dist_optimizer
 
     def explain(self, file: Any = None) -> Plan:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fleetx.optim.wrapper import OptimizerWrapper
+from fleetx.parallel.clip import clip_grad_norm_
 
 __all__ = ["DistributedOptimizer"]
 
@@ -23,15 +24,18 @@ class DistributedOptimizer(OptimizerWrapper):
 
     Args:
         ctx: the training context (its ``optimizer`` is the inner optimizer).
+        modules: returns the models the fleet distributed (where :meth:`clip_grad_norm_` finds
+            tensor-parallel shards and tied pipeline weights).
 
     Example:
         >>> opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         >>> opt.minimize(loss)          # backward + step + zero_grad
     """
 
-    def __init__(self, ctx: Any) -> None:  # noqa: D107
+    def __init__(self, ctx: Any, modules: Callable[[], list] = list) -> None:  # noqa: D107
         super().__init__()
         self._ctx = ctx
+        self._modules = modules
         #: whether the last ``step`` updated the parameters (see :meth:`step`)
         self.last_step_taken = False
 
@@ -106,6 +110,43 @@ class DistributedOptimizer(OptimizerWrapper):
         method = self._ctx.optimizer_methods.get("average_parameters")
         if method is not None:
             method()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients of every parameter by their global norm; return the norm.
+
+        Call it after backward, before :meth:`step` (or from a step pre-hook, e.g. for a
+        pipeline's ``train_batch``). The norm is that of the whole model across the hybrid
+        topology: a tensor-parallel weight's shards each once, a parameter replicated over the
+        model-parallel group once, every pipeline stage's parameters, a weight tied across
+        stages once, sharding stages' shards once; so it equals
+        ``torch.nn.utils.clip_grad_norm_`` on the unsplit model. Every rank of a replica must
+        call it (the norm is summed over them).
+
+        Args:
+            max_norm: the largest norm left unscaled.
+            norm_type: the p of the p-norm (``float("inf")``: the largest absolute value).
+            error_if_nonfinite: raise when the norm is nan or inf.
+
+        Returns:
+            The total norm before clipping, a 0-d tensor, the same on every rank.
+
+        Raises:
+            ValueError: ``norm_type`` is not positive, or ``amp`` scales the loss (the gradients
+                are still scaled before the step).
+
+        Example:
+            >>> opt.backward(loss)
+            >>> norm = opt.clip_grad_norm_(1.0)
+            >>> opt.step(); opt.zero_grad()
+        """
+        if "get_loss_scaling" in self._ctx.optimizer_methods:
+            raise ValueError("clip_grad_norm_ with strategy.amp: the gradients still carry the "
+                             "loss scale before the step, so their norm is not the model's; "
+                             "turn amp off to clip")
+        params = [p for group in self.inner.param_groups for p in group["params"]]
+        return clip_grad_norm_(params, max_norm, norm_type, modules=self._modules(),
+                               error_if_nonfinite=error_if_nonfinite)
 
     def get_lr(self) -> float:
         """The learning rate of the first parameter group."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from fleetx.amp import low_precision_dtype
 from fleetx.comm.groups import default_timeout
+from fleetx.parallel.hcg import get_hcg
 from fleetx.parallel.pipeline import PipelineLayer
 from fleetx.parallel.pipeline_parallel import PipelineParallel
 
@@ -20,10 +21,17 @@ def pipeline_model(layers: PipelineLayer, strategy: Any, device: str) -> Pipelin
         strategy: the fleet's ``DistributedStrategy``; with ``amp`` on, forwards run under
             ``torch.autocast`` in the device's low-precision dtype (bfloat16 on CPU).
         device: ``"cpu"`` or ``"cuda"``.
+
+    With ``dp_degree > 1`` the stage's gradients are averaged over the hybrid topology's
+    data-parallel group in every ``train_batch``.
     """
     cfg = strategy.typed_config("pipeline")
     dtype = low_precision_dtype(device) if strategy.amp else None
+    hcg = get_hcg()
+    dp_group = (hcg.get_data_parallel_group()
+                if hcg is not None and hcg.get_data_parallel_world_size() > 1 else None)
     return PipelineParallel(layers, micro_batch_size=cfg.micro_batch_size,
                             accumulate_steps=cfg.accumulate_steps,
                             schedule_mode=cfg.schedule_mode, p2p_cache_shape=cfg.p2p_cache_shape,
-                            timeout=default_timeout(), autocast_dtype=dtype)
+                            timeout=default_timeout(), autocast_dtype=dtype,
+                            dp_group=dp_group)

@@ -45,6 +45,10 @@ class PipelineParallel(nn.Module):
         timeout: seconds a transfer may wait for a neighbouring stage.
         autocast_dtype: when set, forwards (and their recomputation) run under
             ``torch.autocast`` in this dtype (the ``amp`` strategy).
+        dp_group: (fleetx extension) the data-parallel group of this stage: the stages at
+            the same place of the other pipelines, whose gradients ``train_batch`` averages
+            before the step (``fleet.distributed_model`` passes the hybrid topology's when
+            ``dp_degree > 1``); None: no data parallelism.
 
     Raises:
         TypeError: ``layers`` is not a ``PipelineLayer``.
@@ -58,7 +62,8 @@ class PipelineParallel(nn.Module):
     def __init__(self, layers: PipelineLayer, micro_batch_size: int = 1,
                  accumulate_steps: int = 1, schedule_mode: str = "1F1B",
                  p2p_cache_shape: bool = True, timeout: float = 1800.0,
-                 autocast_dtype: Optional[torch.dtype] = None) -> None:
+                 autocast_dtype: Optional[torch.dtype] = None,
+                 dp_group: Optional[dist.ProcessGroup] = None) -> None:
         super().__init__()
         if not isinstance(layers, PipelineLayer):
             raise TypeError(f"PipelineParallel expects a PipelineLayer, got "
@@ -69,6 +74,7 @@ class PipelineParallel(nn.Module):
         self.micro_batch_size, self.accumulate_steps = micro_batch_size, accumulate_steps
         self.schedule_mode = normalize_mode(schedule_mode)
         self.autocast_dtype = autocast_dtype
+        self.dp_group = dp_group
         self.p2p = P2P(layers.pipe, timeout, p2p_cache_shape)
         self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro, start, end)
         self.peak_in_flight = 0
@@ -105,6 +111,7 @@ class PipelineParallel(nn.Module):
         inputs, labels = self._micro_batches(data)
         loss = self._run(inputs, labels, training=True, scaler=scaler)
         self._layers.allreduce_shared_weight_gradients()
+        self._average_data_parallel_gradients()
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -114,6 +121,27 @@ class PipelineParallel(nn.Module):
         if lr_scheduler is not None:
             lr_scheduler.step()
         return loss
+
+    def _average_data_parallel_gradients(self) -> None:
+        """Average the stage's gradients over its data-parallel group (one flat all-reduce
+        per dtype; after the tied weights' sums, so every replica steps the same)."""
+        group = self.dp_group
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        grads: dict[torch.dtype, list] = {}
+        for param in self._layers.parameters():
+            if param.requires_grad:
+                if param.grad is None:  # a replica must contribute every tensor
+                    param.grad = torch.zeros_like(param)
+                grads.setdefault(param.grad.dtype, []).append(param.grad)
+        size = dist.get_world_size(group)
+        for same in grads.values():
+            flat = torch.cat([g.reshape(-1) for g in same]).div_(size)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for g in same:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def eval_batch(self, data: Any, compute_loss: bool = True) -> Any:
         """Forward every micro-batch of ``data`` without gradients.

@@ -7,6 +7,14 @@ first strategy of every collective plan, and it applies only when there is more 
 and no sharding stage 2 or 3 takes the model (FSDP2 then synchronises the gradients itself;
 DDP would reduce them twice).
 
+Within a hybrid topology (``hybrid_configs`` with ``mp_degree`` or ``pp_degree`` above 1) the
+ranks of one data-parallel group are the replicas: DDP runs over that group only
+(``get_hybrid_communicate_group().get_data_parallel_group()``), never over the world, whose
+ranks hold different shards or stages (DDP's first broadcast would copy rank 0's shards over
+them). With ``dp_degree`` 1 there are no replicas and no DDP. A pipelined model
+(``PipelineLayer``) is not wrapped: its ``train_batch`` averages the gradients over the same
+data-parallel group.
+
 Strategies that change how gradients travel (``fp16_allreduce``, ``dgc``, hierarchical
 all-reduce, ``nccl_comm_num``) add stages to ``ctx.comm_hooks``; when the model is wrapped they
 are composed into DDP's one comm hook by :func:`fleetx.comm.hooks.compose`, and the pipeline's
@@ -15,7 +23,7 @@ traffic counters are kept in ``ctx.state["data_parallel"]`` (so they appear unde
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -23,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from fleetx.comm import hooks
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register, train_only)
-from fleetx.strategy.topology import resolve
+from fleetx.parallel.hcg import get_hcg
+from fleetx.strategy.topology import Topology, resolve
 
 __all__ = ["DataParallelStrategy"]
 
@@ -49,6 +58,16 @@ class DataParallelStrategy(Strategy):
         if stage:
             return Verdict.skip(f"sharding stage {stage} synchronises gradients itself (FSDP2 "
                                 f"reduce-scatter): no DistributedDataParallel")
+        topo = _model_parallel_topology(s, world.world_size)
+        if topo is not None:
+            split = f"mp_degree={topo.mp_degree} x pp_degree={topo.pp_degree}"
+            if topo.dp_degree == 1:
+                return Verdict.skip(f"dp_degree=1: every process holds another part of the "
+                                    f"model ({split}); nothing is replicated")
+            return Verdict.ok(f"gradients averaged over the data-parallel group (dp_degree="
+                              f"{topo.dp_degree} of {world.world_size} processes, {split}): "
+                              f"DistributedDataParallel on it (a PipelineLayer's train_batch "
+                              f"averages them itself), bucket {self._bucket_mb(s):g} MB")
         return Verdict.ok(f"DistributedDataParallel over {world.world_size} processes, "
                           f"bucket {self._bucket_mb(s):g} MB, "
                           f"find_unused_parameters={s.find_unused_parameters}")
@@ -77,11 +96,41 @@ def _fsdp_stage(s: Any, world_size: int) -> int:
     return stage if stage >= 2 and degree > 1 else 0
 
 
+def _model_parallel_topology(s: Any, world_size: int) -> Optional[Topology]:
+    """The topology when tensor or pipeline degrees split the model (data parallelism is then
+    the data-parallel group's), else None; an impossible layout is reported by ``fleet.init``."""
+    if not hasattr(s, "typed_config"):  # a strategy without hybrid settings
+        return None
+    try:
+        topo = resolve(s, world_size)
+    except StrategyError:
+        return None
+    return topo if topo.mp_degree * topo.pp_degree > 1 else None
+
+
+def _data_parallel_group(ctx: TrainingContext) -> Any:
+    """The process group DDP reduces over: the hybrid topology's data-parallel group when
+    tensor or pipeline degrees split the model, else the world (None).
+
+    Raises:
+        StrategyError: the model is split but no hybrid communicate group exists.
+    """
+    if _model_parallel_topology(ctx.strategy, ctx.world.world_size) is None:
+        return None
+    hcg = get_hcg()
+    if hcg is None:
+        raise StrategyError("hybrid_configs splits the model (mp_degree or pp_degree > 1) but "
+                            "no hybrid communicate group exists: call "
+                            "fleet.init(is_collective=True, strategy=...) first")
+    return hcg.get_data_parallel_group()
+
+
 def _wrap_ddp(module: torch.nn.Module, ctx: TrainingContext) -> DistributedDataParallel:
     device_ids = None
     if ctx.world.device == "cuda":
         device_ids = [torch.cuda.current_device()]
-    ddp = DistributedDataParallel(module, device_ids=device_ids, **ctx.ddp_options)
+    ddp = DistributedDataParallel(module, device_ids=device_ids,
+                                  process_group=_data_parallel_group(ctx), **ctx.ddp_options)
     composed = hooks.compose(ctx.comm_hooks, ddp.process_group)
     if composed is not None:
         state, hook = composed

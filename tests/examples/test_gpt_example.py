@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "examples/gpt/train.py")
 # A few-second model: the mechanics, not the quality.
 TINY = ("--n_embd", "64", "--n_layer", "2", "--block_size", "32", "--batch_size", "8",
-        "--eval_windows", "16", "--sample_tokens", "60")
+        "--eval_windows", "16", "--sample_tokens", "60", "--progress_every", "0")
 
 
 def fleetrun(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -46,7 +46,9 @@ def test_gpt_trains_with_all_four_strategies_on_two_processes(tmp_path):
     # The untrained model predicts a near-uniform distribution over 99 ids (ln 99 = 4.6); a
     # dozen updates already bring the held-out loss well under that.
     assert all(math.isfinite(loss) for loss, _ in evals) and evals[-1][0] < 4.0
-    assert re.search(r"  \d+/\d+ tokens, loss \d", out)  # the progress line (not a terminal)
+    # the progress lines (not a terminal: one per update with --progress_every 0; 2 micro-
+    # batches x 8 windows x 32 tokens x 2 processes = 1024 tokens per update)
+    assert re.search(r"\n  1024/12288 tokens, loss \d+\.\d{4}, [\d,]+ tokens/s\n", out)
     sample = out.split("temperature 0.8):\n", 1)[1].splitlines()[0]
     assert sample.startswith("This dress") and len(sample) >= len("This dress") + 30
     # Rank 1 trained and evaluated too, and printed none of rank 0's lines.
