@@ -203,7 +203,8 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
     # -- planning and wrapping ----------------------------------------------------------------
     def _build_context(self) -> TrainingContext:
         world = self._world()
-        model = self._models[-1].module if self._models else None
+        model = self._models[-1].module if self._models else (
+            self._stages[-1] if self._stages else None)
         plan = plan_for(self._strategy, world, model, self._optimizer)
         if self._dry_run() and self._optimizer is not None:
             print(plan, flush=True)
@@ -257,7 +258,11 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
                              f"got {type(model).__name__}")
         if isinstance(model, PipelineLayer):  # its stage runs through the pipeline's schedule
             self._stages.append(model)
-            return pipeline_model(model, self._strategy, self.local_device().type)
+            self._ctx = None  # re-plan with the stage as the model (amp's op lists hook it)
+            if self._dist_optimizer is not None:  # both must share one context
+                self._dist_optimizer._ctx = self._build_context()
+            return pipeline_model(model, self._strategy, self.local_device().type,
+                                  forward_context=lambda: self._context().forward_context())
         wrapped = DistributedModel(model, self._context)
         self._models.append(wrapped)
         self._ctx = None  # re-plan with the model known

@@ -80,6 +80,20 @@ class DistributedOptimizer(OptimizerWrapper):
             listener(loss)
         self._ctx.backward(loss)
 
+    def backward_from(self, tensors: Any, grad_tensors: Any) -> None:
+        """Run a pipeline stage's backward from the gradients of its outputs (a fleetx
+        extension that ``PipelineParallel.train_batch`` calls on every stage but the last).
+
+        The gradients came from the next stage's backward, so they already carry what the
+        strategies applied to the loss (amp's scale); the strategies only note that a backward
+        ran (amp's step guard then unscales these gradients too).
+
+        Args:
+            tensors: the stage's outputs that require grad.
+            grad_tensors: their gradients, in the same order.
+        """
+        self._ctx.backward_from(tensors, grad_tensors)
+
     def minimize(self, loss: torch.Tensor) -> bool:
         """Backward, step and zero_grad in one call: the single seam strategies hook into.
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fleetx.parallel.p2p import P2P, PipelineError
+from fleetx.parallel.api import PipelineError, StageOptimizer
+from fleetx.parallel.p2p import P2P
 from fleetx.parallel.pipeline import PipelineLayer
 from fleetx.parallel.schedule import normalize_mode, steps
 
@@ -49,6 +50,9 @@ class PipelineParallel(nn.Module):
             the same place of the other pipelines, whose gradients ``train_batch`` averages
             before the step (``fleet.distributed_model`` passes the hybrid topology's when
             ``dp_degree > 1``); None: no data parallelism.
+        forward_context: (fleetx extension) returns the context manager every forward (and
+            loss) runs in, instead of ``autocast_dtype``'s autocast: ``fleet.distributed_model``
+            passes its training context's, which holds amp's autocast and custom op lists.
 
     Raises:
         TypeError: ``layers`` is not a ``PipelineLayer``.
@@ -63,7 +67,8 @@ class PipelineParallel(nn.Module):
                  accumulate_steps: int = 1, schedule_mode: str = "1F1B",
                  p2p_cache_shape: bool = True, timeout: float = 1800.0,
                  autocast_dtype: Optional[torch.dtype] = None,
-                 dp_group: Optional[dist.ProcessGroup] = None) -> None:
+                 dp_group: Optional[dist.ProcessGroup] = None,
+                 forward_context: Optional[Callable[[], ContextManager]] = None) -> None:
         super().__init__()
         if not isinstance(layers, PipelineLayer):
             raise TypeError(f"PipelineParallel expects a PipelineLayer, got "
@@ -75,6 +80,7 @@ class PipelineParallel(nn.Module):
         self.schedule_mode = normalize_mode(schedule_mode)
         self.autocast_dtype = autocast_dtype
         self.dp_group = dp_group
+        self.forward_context = forward_context
         self.p2p = P2P(layers.pipe, timeout, p2p_cache_shape)
         self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro, start, end)
         self.peak_in_flight = 0
@@ -96,20 +102,25 @@ class PipelineParallel(nn.Module):
 
         Args:
             data: ``[inputs, labels]``, the same on every stage.
-            optimizer: the optimizer over this stage's parameters.
+            optimizer: the optimizer over this stage's parameters. One from
+                ``fleet.distributed_optimizer`` (a
+                :class:`~fleetx.parallel.api.StageOptimizer`) runs every micro-batch's backward
+                itself, so the strategies' hooks apply (amp's loss scaling and inf check).
             lr_scheduler: stepped once after the optimizer, when given.
-            scaler: a ``GradScaler``-like object (``scale``, ``step``, ``update``), when given.
+            scaler: a ``GradScaler``-like object (``scale``, ``step``, ``update``), when given;
+                not with an optimizer from ``fleet.distributed_optimizer`` (amp scales there).
 
         Returns:
             The mean loss over the micro-batches, on every stage.
 
         Raises:
-            ValueError: the batch is not ``micro_batch_size * accumulate_steps`` samples.
+            ValueError: the batch is not ``micro_batch_size * accumulate_steps`` samples, or
+                ``scaler`` is given with a ``StageOptimizer``.
             PipelineError: a neighbouring stage failed or stayed silent past the timeout.
         """
         self.train()
         inputs, labels = self._micro_batches(data)
-        loss = self._run(inputs, labels, training=True, scaler=scaler)
+        loss = self._run(inputs, labels, training=True, backward=_Backward(optimizer, scaler))
         self._layers.allreduce_shared_weight_gradients()
         self._average_data_parallel_gradients()
         if scaler is not None:
@@ -169,13 +180,15 @@ class PipelineParallel(nn.Module):
         return cut[0], cut[1]
 
     def _precision(self) -> Any:
+        if self.forward_context is not None:
+            return self.forward_context()
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         device = next(self._layers.parameters(), torch.empty(0)).device.type
         return torch.autocast(device, dtype=self.autocast_dtype)
 
-    def _run(self, inputs: list, labels: list, training: bool, scaler: Any = None,
-             compute_loss: bool = True) -> Any:
+    def _run(self, inputs: list, labels: list, training: bool,
+             backward: Optional["_Backward"] = None, compute_loss: bool = True) -> Any:
         """Run the schedule; the mean loss broadcast from the last stage (or its outputs)."""
         layers, m = self._layers, self.accumulate_steps
         order = steps(self.schedule_mode, layers.num_stages, layers.stage_id, m)
@@ -193,7 +206,7 @@ class PipelineParallel(nn.Module):
                     if training:
                         self.peak_in_flight = max(self.peak_in_flight, len(stash))
                 else:
-                    self._backward_step(i, stash, scaler)
+                    self._backward_step(i, stash, backward)
             self.p2p.flush()
         except PipelineError:
             raise
@@ -224,18 +237,17 @@ class PipelineParallel(nn.Module):
         if torch.is_grad_enabled():
             stash[i] = (x, out)
 
-    def _backward_step(self, i: int, stash: dict, scaler: Any) -> None:
+    def _backward_step(self, i: int, stash: dict, backward: "_Backward") -> None:
         layers = self._layers
         x, out = stash.pop(i)
+        start = time.perf_counter()
         if layers.is_last_stage():
-            grads = None
-            loss = out / self.accumulate_steps
-            outs = [scaler.scale(loss) if scaler is not None else loss]
+            backward.loss(out / self.accumulate_steps)
         else:
             outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
             grads = self.p2p.recv_backward(outs)
-        start = time.perf_counter()
-        torch.autograd.backward(outs, grads)
+            start = time.perf_counter()  # the wait for the gradients is not backward time
+            backward.from_outputs(outs, grads)
         self.timeline.append(("B", i, start, time.perf_counter()))
         if not layers.is_first_stage():
             self.p2p.send_backward(x)
@@ -250,6 +262,39 @@ class PipelineParallel(nn.Module):
         if pipe.group is not None and pipe.num_stages > 1:
             dist.broadcast(loss, src=pipe.ranks[-1], group=pipe.group)
         return loss
+
+
+class _Backward:
+    """How ``train_batch`` runs a stage's backward: through a
+    :class:`~fleetx.parallel.api.StageOptimizer` when it is given one (the training context's
+    loss scaling, backward regions and bookkeeping apply), else with ``torch.autograd`` on the
+    loss scaled by ``scaler`` when there is one.
+
+    Raises:
+        ValueError: both a ``StageOptimizer`` and a ``scaler``: the loss would be scaled by
+            one and unscaled by the other.
+    """
+
+    def __init__(self, optimizer: Any, scaler: Any) -> None:
+        self.wrapper = optimizer if isinstance(optimizer, StageOptimizer) else None
+        if self.wrapper is not None and scaler is not None:
+            raise ValueError("train_batch: scaler= with an optimizer from "
+                             "fleet.distributed_optimizer: its strategies run the backward "
+                             "(strategy.amp scales the loss there); pass scaler=None")
+        self.scaler = scaler
+
+    def loss(self, loss: torch.Tensor) -> None:
+        if self.wrapper is not None:
+            self.wrapper.backward(loss)
+        else:
+            torch.autograd.backward(self.scaler.scale(loss) if self.scaler is not None
+                                    else loss)
+
+    def from_outputs(self, outputs: list, grads: list) -> None:
+        if self.wrapper is not None:
+            self.wrapper.backward_from(outputs, grads)
+        else:
+            torch.autograd.backward(outputs, grads)
 
 
 def _slice(part: Any, begin: int, end: int) -> Any:
