@@ -144,7 +144,7 @@ def main() -> None:
     tokens_per_update = args.k_steps * args.batch_size * args.block_size * world
     progress = Progress(args.steps * tokens_per_update, fleet.is_first_worker(),
                         every=args.progress_every, unit="tokens")
-    start, updates, loss = time.monotonic(), 0, float("nan")
+    start, updates, loss, held = time.monotonic(), 0, float("nan"), float("nan")
     while updates < args.steps:
         optimizer.set_lr(learning_rate(updates, args))
         x, y = data.batch(corpus.train, args.batch_size, args.block_size, gen)
@@ -165,7 +165,7 @@ def main() -> None:
     text = sample(model, cfg, corpus, args.sample_tokens)
     fleet.util.print_on_rank(f"sample ({args.sample_tokens} characters after "
                              f"{PROMPT!r}, temperature 0.8):\n{text}", 0)
-    if args.max_ratio and held > args.max_ratio * unigram:
+    if args.max_ratio and not held < args.max_ratio * unigram:  # nan (no evaluation) fails
         raise SystemExit(f"held-out loss {held:.3f} is above {args.max_ratio:g} x the unigram "
                          f"loss {unigram:.3f}")
 
