@@ -20,7 +20,7 @@ from fleetx.parallel import ShardedClassifier  # noqa: E402
 
 __all__ += ["ShardedClassifier"]
 
-from fleetx.parallel.p2p import PipelineError  # noqa: E402
+from fleetx.parallel.api import PipelineError  # noqa: E402
 from fleetx.parallel.pipeline import LayerDesc, PipelineLayer, SharedLayerDesc  # noqa: E402
 from fleetx.parallel.pipeline_parallel import PipelineParallel  # noqa: E402
 

@@ -6,7 +6,10 @@ group that ``fleet.init`` built.
 """
 from __future__ import annotations
 
-__all__ = ["ParallelError", "NoHybridGroupError", "MODEL_PARALLEL_RNG"]
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+__all__ = ["ParallelError", "NoHybridGroupError", "PipelineError", "StageOptimizer",
+           "MODEL_PARALLEL_RNG"]
 
 
 class ParallelError(RuntimeError):
@@ -16,6 +19,31 @@ class ParallelError(RuntimeError):
 class NoHybridGroupError(ParallelError):
     """No hybrid communicate group exists: ``fleet.init(is_collective=True, ...)`` was not
     called, and the caller gave no explicit group."""
+
+
+class PipelineError(ParallelError):
+    """A pipeline stage failed, or a peer stage died or stayed silent past the timeout."""
+
+
+@runtime_checkable
+class StageOptimizer(Protocol):
+    """An optimizer that runs the backward passes itself, as ``fleet.distributed_optimizer``'s
+    wrapper does (so amp's loss scale, its step guard and the other strategies' hooks apply).
+
+    ``PipelineParallel.train_batch`` runs the last stage's backward as ``backward(loss)`` and
+    every other stage's as ``backward_from(outputs, grads)``: the gradients of the stage's
+    outputs came from the next stage's backward and already carry what the loss's backward
+    applied (amp's scale), so they are not changed again. A plain ``torch.optim.Optimizer`` has
+    neither method; ``train_batch`` then runs ``torch.autograd.backward`` itself.
+    """
+
+    def backward(self, loss: Any) -> None: ...
+
+    def backward_from(self, tensors: Sequence[Any], grad_tensors: Sequence[Any]) -> None: ...
+
+    def step(self) -> Any: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 # The name under which fleet.init registers the per-model-parallel-rank random stream in the

@@ -17,18 +17,16 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from fleetx.parallel.api import PipelineError
 from fleetx.parallel.stage import PipeGroup
 
+# PipelineError is defined in the contract module; it stays importable from here.
 __all__ = ["PipelineError", "P2P"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _HEADER = 64  # int64 words: room for e.g. 4 tensors of 8 dimensions
 _ACT, _GRAD, _HEAD = 1, 2, 3  # tags: one per kind of message, so no kind overtakes another
-
-
-class PipelineError(RuntimeError):
-    """A pipeline stage failed, or a peer stage died or stayed silent past the timeout."""
 
 
 class P2P:

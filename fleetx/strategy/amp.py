@@ -177,6 +177,17 @@ class AmpStrategy(Strategy):
                 scaled_backward(scaler.scale_loss(loss))
 
         ctx.backward = backward
+        unscaled_from = ctx.backward_from
+
+        def backward_from(tensors: Any, grads: Any) -> None:
+            # A pipeline stage before the last: its outputs' gradients came from the scaled
+            # loss of the last stage, so they carry the same scale (every stage's scaler takes
+            # the same steps: the found-inf flag is agreed across all ranks).
+            check.scaled = True
+            with hooks.backward_region():
+                unscaled_from(tensors, grads)
+
+        ctx.backward_from = backward_from
         ctx.step_guards.append(check.guard)
         ctx.after_step.append(check.after_step)
         ctx.optimizer_methods["get_loss_scaling"] = lambda: scaler.scale

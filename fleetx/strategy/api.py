@@ -27,6 +27,8 @@ import contextlib
 import heapq
 from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional
 
+import torch
+
 # The planner's inputs and outputs live in plan.py; they are part of this contract.
 from fleetx.strategy.plan import (Mode, ModelInfo, OptimizerInfo, Plan, PlanEntry, PlanInput,
                                   Verdict, WorldInfo)
@@ -65,6 +67,11 @@ class TrainingContext:
     * ``forward_contexts``: context-manager factories entered around every forward.
     * ``backward``: ``fn(loss) -> None`` that runs the backward pass. Strategies wrap the one in
       place (``lambda loss: prev(loss * scale)``) so that several can change it.
+    * ``backward_from``: ``fn(tensors, grads) -> None`` that runs the backward of a pipeline
+      stage other than the last from the gradients of its outputs. Those came from the next
+      stage's backward, so they already carry what ``backward`` applied to the loss (amp's
+      scale): a strategy that wraps ``backward`` wraps this one only to note that a backward ran
+      or to enter its backward region, never to change the gradients again.
     * ``step_guards``: ``fn() -> bool`` run before ``optimizer.step``; any ``False`` skips it.
       They run in plan order and stop at the first ``False``, so a guard only runs on steps the
       earlier ones allowed (an accumulation-boundary check placed before an overflow check).
@@ -100,6 +107,7 @@ class TrainingContext:
         self.comm_hooks: list[tuple[Any, Callable]] = []
         self.forward_contexts: list[Callable[[], ContextManager]] = []
         self.backward: Callable[[Any], None] = lambda loss: loss.backward()
+        self.backward_from: Callable[[Any, Any], None] = torch.autograd.backward
         self.step_guards: list[Callable[[], bool]] = []
         self.after_step: list[Callable[[], None]] = []
         self.zero_grad_guards: list[Callable[[], bool]] = []

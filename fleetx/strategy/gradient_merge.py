@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
-from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
+from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
+                                 Verdict, register)
 from fleetx.strategy.config import Config, option
 from fleetx.strategy.data_parallel import DataParallelStrategy
 from fleetx.strategy.localsgd import LocalSGDStrategy
+from fleetx.strategy.topology import resolve
 
 __all__ = ["GradientMergeConfig", "GradientMergeStrategy"]
 
@@ -86,6 +88,14 @@ class GradientMergeStrategy(Strategy):
         if cfg.k_steps == 1:
             return Verdict.skip("k_steps=1: every micro-step is a full step, nothing to merge",
                                 warn=True)
+        pipe = _pipe_degree(self.strategy, plan_input.world.world_size)
+        if pipe > 1:
+            # train_batch runs a whole mini-batch and steps; its micro-batches are the merge.
+            return Verdict.fail(
+                f"pp_degree={pipe}: a pipeline's train_batch already accumulates "
+                f"pipeline_configs['accumulate_steps'] micro-batches per optimizer step: set "
+                f"strategy.gradient_merge = False and raise accumulate_steps instead (k_steps="
+                f"{cfg.k_steps} would be accumulate_steps x {cfg.k_steps})")
         how = "averaged" if cfg.avg else "summed"
         return Verdict.ok(f"{cfg.k_steps} micro-steps accumulated ({how}) per optimizer step; "
                           f"gradients communicated once per step; minimize() returns True on "
@@ -122,3 +132,12 @@ class GradientMergeStrategy(Strategy):
             ctx.step_guards.append(state.at_boundary)
         ctx.after_step.append(state.advance)
         ctx.zero_grad_guards.append(state.merged)
+
+
+def _pipe_degree(strategy: Any, world_size: int) -> int:
+    """The pipeline degree of the topology; 1 when the degrees cannot fill the world (that
+    error is ``fleet.init``'s to report)."""
+    try:
+        return resolve(strategy, world_size).pp_degree
+    except (StrategyError, ValueError):
+        return 1

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import _entry, run_and_load  # noqa: E402
+from spawn import _entry, run, run_and_load  # noqa: E402
 from helpers import free_port  # noqa: E402
 
 MICRO, ACC, STEPS, WIDTH, VOCAB = 2, 4, 3, 16, 12
@@ -67,7 +67,9 @@ class TiedLM(nn.Module):
         super().__init__()
         torch.manual_seed(4)
         self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.body = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+        # three Linears, so that every one of 4 uniform stages holds a parameter
+        self.body = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH),
+                                  nn.Tanh(), nn.Linear(WIDTH, WIDTH))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return project(self.emb, self.body(self.emb(tokens)))
@@ -75,13 +77,14 @@ class TiedLM(nn.Module):
     def pipeline_state(self) -> dict:
         """The state dict under the pipeline's global keys."""
         body = {f"{int(k[0]) + 1}{k[1:]}": v for k, v in self.body.state_dict().items()}
-        return {"0.weight": self.emb.weight.detach(), **body, "4.weight": self.emb.weight.detach()}
+        return {"0.weight": self.emb.weight.detach(), **body, "6.weight": self.emb.weight.detach()}
 
 
 def tied_layers():
     from fleetx.parallel.pipeline import LayerDesc, SharedLayerDesc
     return [SharedLayerDesc("embed", nn.Embedding, None, "weight", VOCAB, WIDTH),
             LayerDesc(nn.Linear, WIDTH, WIDTH), nn.Tanh(), LayerDesc(nn.Linear, WIDTH, WIDTH),
+            nn.Tanh(), LayerDesc(nn.Linear, WIDTH, WIDTH),
             SharedLayerDesc("embed", nn.Embedding, project, "weight", VOCAB, WIDTH)]
 
 
@@ -185,7 +188,7 @@ def _check_tied(ranks):
     expected = lm.emb.weight.detach()
     first, last = ranks[0]["tied"]["state"], ranks[-1]["tied"]["state"]
     assert ranks[-1]["tied"]["losses"] == pytest.approx(losses, abs=1e-5)
-    assert torch.equal(first["0.weight"], last["4.weight"])
+    assert torch.equal(first["0.weight"], last["6.weight"])
     assert (first["0.weight"] - expected).abs().max().item() <= 1e-5
 
 
@@ -217,7 +220,7 @@ def test_four_stages_equal_the_unsplit_model(tmp_path):
 
 def _faulty(rank: int, world: int, out: str, fault: str) -> None:
     import torch.distributed as dist
-    from fleetx.parallel.p2p import PipelineError
+    from fleetx.parallel.api import PipelineError
     dist.init_process_group("gloo")
     model = _stage(mlp_layers(desc=True), unsplit_mlp().state_dict(), nn.MSELoss(), "1F1B", 0,
                    False, "uniform")
@@ -253,13 +256,16 @@ def test_a_dead_or_silent_stage_is_an_error_naming_it(tmp_path, fault):
     assert " stage 1 (rank 1) failed within 5 s" in message, message
 
 
-def _through_fleet(rank: int, world: int, out: str) -> None:
+def _through_fleet(rank: int, world: int, out: str, amp: bool) -> None:
     from fleetx import fleet
     from fleetx.fleet.meta_parallel import PipelineLayer, PipelineParallel
     s = fleet.DistributedStrategy()
     s.hybrid_configs = {"dp_degree": 1, "pp_degree": world}
     s.pipeline_configs = {"micro_batch_size": MICRO, "accumulate_steps": ACC,
                           "schedule_mode": "F-then-B"}
+    if amp:  # the default loss scale (2**15) and one custom list entry: tanh in float32
+        s.amp = True
+        s.amp_configs = {"custom_black_list": ["tanh"]}
     fleet.init(is_collective=True, strategy=s)
     stage = PipelineLayer(mlp_layers(desc=True), loss_fn=nn.MSELoss())
     stage.load_state_dict({k: v for k, v in unsplit_mlp().state_dict().items()
@@ -268,12 +274,35 @@ def _through_fleet(rank: int, world: int, out: str) -> None:
     assert isinstance(model, PipelineParallel) and model.schedule_mode == "FThenB"
     opt = fleet.distributed_optimizer(sgd(stage.parameters()))
     losses = [model.train_batch(list(b), opt).item() for b in batches()]
-    torch.save({"losses": losses, "state": model.state_dict()}, f"{out}/rank{rank}.pt")
+    scale = opt.get_loss_scaling() if amp else None
+    torch.save({"losses": losses, "state": model.state_dict(), "scale": scale},
+               f"{out}/rank{rank}.pt")
 
 
-def test_fleet_distributed_model_runs_a_pipeline_layer_with_pipeline_configs(tmp_path):
-    ranks = run_and_load(_through_fleet, 2, tmp_path, deadline=300)
-    losses, state = _reference(unsplit_mlp(), batches(), False, nn.MSELoss())
+class Float32Tanh(nn.Module):
+    """Tanh computed in float32 under autocast: what custom_black_list ["tanh"] asks for."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return torch.tanh(x.float())
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["float32", "amp"])
+def test_fleet_distributed_model_runs_a_pipeline_layer_with_pipeline_configs(tmp_path, amp):
+    """Through fleet.distributed_optimizer: every micro-batch's backward runs through the
+    training context. Under amp the last stage's loss is scaled by 2**15 and every stage's
+    gradients are unscaled by its step guard (unscaled twice or not at all, the weights would
+    be 2**15 times off), and the tanh layers on both stages run in float32 as listed."""
+    run(_through_fleet, 2, str(tmp_path), amp, deadline=300)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = unsplit_mlp()
+    if amp:
+        for i, layer in enumerate(model):
+            if isinstance(layer, nn.Tanh):
+                model[i] = Float32Tanh()
+    losses, state = _reference(model, batches(), amp, nn.MSELoss())
     merged = {**ranks[0]["state"], **ranks[1]["state"]}
-    assert ranks[0]["losses"] == pytest.approx(losses, abs=1e-5)
+    for r in ranks:
+        assert r["losses"] == pytest.approx(losses, abs=1e-5)
+        assert r["scale"] == (2.0 ** 15 if amp else None)
     assert max((merged[k] - v).abs().max().item() for k, v in state.items()) <= 1e-5

@@ -106,6 +106,90 @@ def test_one_stage_train_batch_equals_plain_micro_batching():
         assert torch.allclose(stage.state_dict()[key], value, atol=1e-6)
 
 
+def _amp_optimizer(stage):
+    """``fleet.distributed_optimizer``'s wrapper over SGD with the amp strategy applied, built
+    from its parts (one process, no fleet.init)."""
+    from fleetx.fleet.optimizer import DistributedOptimizer
+    from fleetx.strategy.amp import AmpStrategy
+    from fleetx.strategy.api import TrainingContext, WorldInfo
+    from fleetx.strategy.distributed_strategy import DistributedStrategy
+    strategy = DistributedStrategy()
+    strategy.amp = True
+    ctx = TrainingContext(WorldInfo(), strategy, torch.optim.SGD(stage.parameters(), lr=0.5),
+                          stage)
+    AmpStrategy(strategy).apply(ctx)
+    return DistributedOptimizer(ctx), ctx
+
+
+def test_train_batch_runs_the_backward_through_a_stage_optimizer():
+    from fleetx.parallel.api import StageOptimizer
+    torch.manual_seed(0)
+    stage = PipelineLayer([LayerDesc(nn.Linear, 3, 5), nn.Tanh(), LayerDesc(nn.Linear, 5, 1)],
+                          loss_fn=nn.MSELoss())
+    reference = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    reference.load_state_dict(stage.state_dict())
+    opt, ctx = _amp_optimizer(stage)
+    assert isinstance(opt, StageOptimizer)
+    assert not isinstance(torch.optim.SGD(stage.parameters(), lr=1), StageOptimizer)
+    model = PipelineParallel(stage, micro_batch_size=2, accumulate_steps=3,
+                             forward_context=ctx.forward_context)
+    x, y = torch.randn(6, 3), torch.randn(6, 1)
+    model.train_batch([x, y], opt)  # plain autograd here: amp's guard refuses unscaled grads
+    for xs, ys in zip(x.split(2), y.split(2)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.mse_loss(reference(xs), ys)
+        (loss / 3).backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    for key, value in reference.state_dict().items():
+        assert torch.allclose(stage.state_dict()[key], value, atol=1e-6), key
+    assert opt.get_loss_scaling() == 2.0 ** 15
+    with pytest.raises(ValueError, match=r"train_batch: scaler= with an optimizer from "
+                                         r"fleet.distributed_optimizer"):
+        model.train_batch([x, y], opt, scaler=torch.amp.GradScaler("cpu"))
+
+
+def test_backward_from_marks_the_gradients_scaled():
+    """A stage before the last runs ``backward_from`` on gradients that carry the last
+    stage's loss scale: amp's guard unscales them (once) instead of refusing them."""
+    torch.manual_seed(0)
+    stage = PipelineLayer([LayerDesc(nn.Linear, 3, 2)], loss_fn=nn.MSELoss())
+    weight = stage.state_dict()["0.weight"].clone()
+    opt, ctx = _amp_optimizer(stage)
+    x = torch.randint(-4, 5, (4, 3)).float()  # small integers: exact in bfloat16 sums
+    with ctx.forward_context():
+        out = stage(x)
+    opt.backward_from([out], [torch.full_like(out, 2.0 ** 15)])  # d(sum)/d(out), scaled
+    assert opt.step() is True
+    assert torch.allclose(stage.state_dict()["0.weight"], weight - 0.5 * x.sum(0).expand(2, 3),
+                          atol=1e-6)
+
+
+def test_gradient_merge_is_refused_with_a_pipeline():
+    from fleetx.strategy.api import StrategyError, WorldInfo
+    from fleetx.strategy.distributed_strategy import DistributedStrategy
+    from fleetx.strategy.planner import plan_for
+    s = DistributedStrategy()
+    s.gradient_merge = True
+    s.gradient_merge_configs = {"k_steps": 2}
+    s.hybrid_configs = {"dp_degree": 1, "pp_degree": 2}
+    with pytest.raises(StrategyError, match=r"gradient_merge: pp_degree=2: a pipeline's "
+                                            r"train_batch already accumulates "
+                                            r"pipeline_configs\['accumulate_steps'\] "
+                                            r"micro-batches per optimizer step: set "
+                                            r"strategy.gradient_merge = False"):
+        plan_for(s, WorldInfo(world_size=2))
+    s.hybrid_configs = {"dp_degree": 2, "pp_degree": 1}
+    assert "gradient_merge" in plan_for(s, WorldInfo(world_size=2)).applied
+
+
+def test_pipeline_error_lives_in_the_contract_module():
+    import fleetx.fleet.meta_parallel as meta_parallel
+    import fleetx.parallel.p2p as p2p
+    from fleetx.parallel.api import ParallelError, PipelineError
+    assert p2p.PipelineError is PipelineError is meta_parallel.PipelineError
+    assert issubclass(PipelineError, ParallelError)
+
+
 def test_errors_name_the_bad_argument():
     layers = [LayerDesc(nn.Linear, 2, 2)]
     with pytest.raises(TypeError, match="LayerDesc expects an nn.Module subclass, got 3"):
