@@ -2,17 +2,27 @@
 self-attention, then an MLP, each on a residual branch), a final LayerNorm and an output head
 whose weight is the token embedding's (tied), as in GPT-2 and nanoGPT.
 
+With ``GPTConfig(tensor_parallel=True)`` the blocks are split Megatron-style over the
+model-parallel group of ``fleet.init``'s topology (``hybrid_configs["mp_degree"]``): each rank
+holds its share of the attention heads (query, key and value as ``ColumnParallelLinear``, the
+output projection a ``RowParallelLinear``) and of the MLP's hidden units; embeddings, layer
+norms and the head stay whole on every rank. Two collectives per block (one per branch) put the
+branches' outputs together.
+
 The blocks are ``blocks.0``, ``blocks.1``, ... in ``model.named_modules()``: the names that
 ``recompute_configs['checkpoints']`` takes (see :func:`block_names`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fleetx.fleet import meta_parallel as mpu
 
 
 @dataclass
@@ -25,6 +35,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 256
     dropout: float = 0.0
+    tensor_parallel: bool = False  # split the blocks over the model-parallel group
 
 
 class CausalSelfAttention(nn.Module):
@@ -35,17 +46,30 @@ class CausalSelfAttention(nn.Module):
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"n_embd {cfg.n_embd} is not a multiple of n_head {cfg.n_head}")
         self.n_head, self.dropout = cfg.n_head, cfg.dropout
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.tensor_parallel = cfg.tensor_parallel
+        if cfg.tensor_parallel:
+            # separate q, k, v so that a rank's output columns are whole heads of each
+            self.q, self.k, self.v = (mpu.ColumnParallelLinear(cfg.n_embd, cfg.n_embd,
+                                                               gather_output=False)
+                                      for _ in range(3))
+            self.proj = mpu.RowParallelLinear(cfg.n_embd, cfg.n_embd, input_is_parallel=True)
+        else:
+            self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+            self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, channels = x.shape
-        # (B, T, 3C) -> three (B, heads, T, C / heads)
-        q, k, v = (t.view(batch, time, self.n_head, -1).transpose(1, 2)
-                   for t in self.qkv(x).split(channels, dim=2))
+        batch, time, _ = x.shape
+        if self.tensor_parallel:  # this rank's heads: (B, T, C / mp) each
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        else:
+            q, k, v = self.qkv(x).chunk(3, dim=2)
+        width = q.shape[-1]
+        heads = self.n_head * width // x.shape[-1]
+        # (B, T, width) -> (B, heads, T, width / heads)
+        q, k, v = (t.view(batch, time, heads, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
+        return self.proj(y.transpose(1, 2).reshape(batch, time, width))
 
 
 class Block(nn.Module):
@@ -56,8 +80,12 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(cfg.n_embd), CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(),
-                                 nn.Linear(4 * cfg.n_embd, cfg.n_embd), nn.Dropout(cfg.dropout))
+        if cfg.tensor_parallel:  # this rank's share of the hidden units
+            up = mpu.ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, gather_output=False)
+            down = mpu.RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, input_is_parallel=True)
+        else:
+            up, down = nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.mlp = nn.Sequential(up, nn.GELU(), down, nn.Dropout(cfg.dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -82,13 +110,21 @@ class GPT(nn.Module):
         # 2 * n_layer branches keeps the stream's variance near 1 at initialisation.
         for name, p in self.named_parameters():
             if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+                with (mpu.get_rng_state_tracker().rng_state() if cfg.tensor_parallel
+                      else contextlib.nullcontext()):
+                    nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
     def _init(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        split = isinstance(module, (mpu.ColumnParallelLinear, mpu.RowParallelLinear))
+        if split:
+            # each rank's shard from the model-parallel stream (seeded per rank by fleet.init):
+            # shards drawn alike would start, and stay, as copies of one another
+            with mpu.get_rng_state_tracker().rng_state():
+                nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
+        if (split or isinstance(module, nn.Linear)) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
