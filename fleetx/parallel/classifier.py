@@ -187,13 +187,14 @@ class ShardedClassifier(nn.Module):
         label = labels.reshape(-1).long()
         here = (label >= self._start) & (label < self._end)
         index = (label - self._start).masked_fill(~here, 0).unsqueeze(-1)
-        cos = logits.gather(-1, index).squeeze(-1) / self.scale
+        picked = logits.gather(-1, index).squeeze(-1)
+        cos = picked / self.scale
         if self.margin == "arcface":
             target = _arcface(cos, self.margin_m)
         else:
             target = cos - self.margin_m
         # scatter (not add): the owner's target logit is exactly s*margin(cos), bit for bit
-        new = torch.where(here, target * self.scale, logits.gather(-1, index).squeeze(-1))
+        new = torch.where(here, target * self.scale, picked)
         return logits.scatter(-1, index, new.unsqueeze(-1))
 
     @torch.no_grad()
