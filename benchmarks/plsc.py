@@ -12,7 +12,13 @@ PLSC) runs on ``mp`` gloo processes (CPU), each holding ``1M / mp`` class rows. 
 Every process is limited to one thread. On a machine with fewer cores than processes (2 cores
 at mp 4), the times measure contention for the cores as much as the head's compute.
 
+``--keep-freed-memory`` sets glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` in
+the processes so that freed blocks stay in the heap: by default every tensor over glibc's mmap
+threshold is a fresh mapping, and the head's hundreds of MiB of temporaries are page-faulted in
+again at every step (most of a step's time is then system time).
+
     python benchmarks/plsc.py                          # mp 1 2 4, 1M classes
+    python benchmarks/plsc.py --keep-freed-memory      # the same, without the page faults
     python benchmarks/plsc.py --mp 1 2 --classes 100000 --steps 2   # seconds; smoke
 """
 from __future__ import annotations
@@ -91,9 +97,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="keep freed blocks in glibc's heap (no mmap/munmap per tensor)")
     args = parser.parse_args()
+    if args.keep_freed_memory:  # read by glibc when each spawned process starts
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(2 ** 32 - 1),
+                          MALLOC_TRIM_THRESHOLD_=str(2 ** 36))
     print(f"ArcFace head, {args.classes:,} classes x {args.in_features}, batch {args.batch}, "
-          f"float32, SGD momentum; {os.cpu_count()} cores, 1 thread per process")
+          f"float32, SGD momentum; {os.cpu_count()} cores, 1 thread per process; freed memory "
+          f"{'kept' if args.keep_freed_memory else 'returned (glibc default)'}")
     print("| mp | head MiB per rank (param + grad + momentum) | per rank x mp, over the first "
           "row | peak RSS MiB per rank | step ms (median) |")
     print("|---|---|---|---|---|")
