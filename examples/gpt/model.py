@@ -11,6 +11,11 @@ branches' outputs together.
 
 The blocks are ``blocks.0``, ``blocks.1``, ... in ``model.named_modules()``: the names that
 ``recompute_configs['checkpoints']`` takes (see :func:`block_names`).
+
+For pipeline parallelism, :func:`pipeline_layers` describes the same network as a flat list of
+layers for ``fleet.meta_parallel.PipelineLayer`` (embeddings, the blocks, the final LayerNorm,
+the head), the head tied to the token embedding across stages by a ``SharedLayerDesc``;
+:func:`unpipelined_state` maps the stages' merged state dicts back onto ``GPT``'s keys.
 """
 from __future__ import annotations
 
@@ -154,3 +159,72 @@ def block_names(model: GPT) -> list[str]:
 def parameter_count(model: nn.Module) -> int:
     """Distinct parameters (the tied head's weight is counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+class PipeEmbedding(nn.Module):
+    """Token and position embeddings, the first layer of the pipelined GPT. The last stage
+    holds a copy as the output head: ``weight`` (the token embedding's) is the tied matrix."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        for emb in (self.tok_emb, self.pos_emb):
+            nn.init.normal_(emb.weight, std=0.02)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.tok_emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+
+
+class PipeBlock(Block):
+    """A transformer block initialised on its own, as ``GPT`` initialises its blocks (each
+    stage builds only its layers, so no whole model is there to initialise them)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.apply(GPT._init)
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+
+def tied_head(embedding: PipeEmbedding, x: torch.Tensor) -> torch.Tensor:
+    """The output head: logits from the token embedding's matrix (``GPT.head``'s tie)."""
+    return x @ embedding.weight.t()
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position (float32 even when the logits are not)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def pipeline_layers(cfg: GPTConfig) -> list:
+    """``GPT`` as the layer list of a ``PipelineLayer``: index 0 the embeddings, 1..n_layer the
+    blocks, n_layer + 1 the final LayerNorm, n_layer + 2 the head (the embedding's copy)."""
+    return ([mpu.SharedLayerDesc("embed", PipeEmbedding, None, "weight", cfg)]
+            + [mpu.LayerDesc(PipeBlock, cfg) for _ in range(cfg.n_layer)]
+            + [mpu.LayerDesc(nn.LayerNorm, cfg.n_embd),
+               mpu.SharedLayerDesc("embed", PipeEmbedding, tied_head, "weight", cfg)])
+
+
+def unpipelined_state(state: dict, n_layer: int) -> dict:
+    """``GPT``'s state dict from the stages' merged ones (keys ``"0.tok_emb.weight"``,
+    ``"3.ln1.weight"``...); the head's copy of the embeddings is the tied matrix again."""
+    out = {}
+    for key, value in state.items():
+        index, rest = key.split(".", 1)
+        i = int(index)
+        if i == 0:
+            out[rest] = value
+        elif i <= n_layer:
+            out[f"blocks.{i - 1}.{rest}"] = value
+        elif i == n_layer + 1:
+            out[f"ln_f.{rest}"] = value
+    out["head.weight"] = out["tok_emb.weight"]
+    return out

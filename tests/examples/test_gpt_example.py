@@ -1,5 +1,6 @@
 """examples/gpt under the real fleetrun on 2 processes: amp, recompute, sharding stage 2 and
-gradient merge applied together on a GPT trained on the clothing-review text."""
+gradient merge applied together on a GPT trained on the clothing-review text; and the same
+model with its blocks split over 2 processes (--mp 2) or as a pipeline of 2 stages (--pp 2)."""
 from __future__ import annotations
 
 import math
@@ -52,6 +53,30 @@ def test_gpt_trains_with_all_four_strategies_on_two_processes(tmp_path):
     sample = out.split("temperature 0.8):\n", 1)[1].splitlines()[0]
     assert sample.startswith("This dress") and len(sample) >= len("This dress") + 30
     # Rank 1 trained and evaluated too, and printed none of rank 0's lines.
+    log1 = (tmp_path / "log" / "workerlog.1").read_text()
+    assert "update 12/12" not in log1 and "sample (" not in log1
+
+
+@pytest.mark.parametrize("split, words", [
+    (("--mp", "2"), "split over 2 processes (blocks over mp)"),
+    (("--pp", "2"), "split over 2 processes (pipeline stages)")], ids=["mp2", "pp2"])
+def test_gpt_trains_split_over_two_processes(tmp_path, split, words):
+    """--mp 2 (tensor-parallel blocks, recompute, gradient merge) and --pp 2 (a pipeline of
+    two stages through train_batch / eval_batch, the head tied to the embedding): the loss
+    falls, both print the held-out loss beside the unigram loss, and rank 0 samples."""
+    res = fleetrun(tmp_path, *split, "--steps", "12", "--eval_every", "6", "--warmup", "4",
+                   *TINY)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout
+    assert words in out and "data replica (1)" in out
+    assert "sharding " not in out.split("GPT:")[0]  # never planned beside a split model
+    evals = held_out(out)
+    assert len(evals) == 2 and evals[1][0] < evals[0][0] < math.log(99)
+    # the progress lines' train losses (one per update of 2 x 8 x 32 tokens, one replica)
+    losses = [float(x) for x in re.findall(r"\n  \d+/6144 tokens, loss (\d+\.\d{4})", out)]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5
+    sample = out.split("temperature 0.8):\n", 1)[1].splitlines()[0]
+    assert sample.startswith("This dress") and len(sample) >= len("This dress") + 30
     log1 = (tmp_path / "log" / "workerlog.1").read_text()
     assert "update 12/12" not in log1 and "sample (" not in log1
 
