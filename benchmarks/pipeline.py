@@ -136,13 +136,17 @@ def _fleetx_engine(layers: list, m: int, mode: str, x, y, args) -> tuple:
 
 def _torch_engine(layers: list, m: int, mode: str, x, y, args) -> tuple:
     """(step seconds, first mini-batch's mean loss on the last stage, else None) of
-    ``torch.distributed.pipelining`` on the same stage module and micro-batches."""
+    ``torch.distributed.pipelining`` on the same stage module and micro-batches; (None, the
+    error) when it refuses the configuration (its ``Schedule1F1B`` wants ``m >= p``)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     rank, world = dist.get_rank(), dist.get_world_size()
     stage = _stage(layers)
     engine = {"1F1B": Schedule1F1B, "FThenB": ScheduleGPipe}[mode]
-    schedule = engine(PipelineStage(stage, rank, world, torch.device("cpu")), m,
-                      loss_fn=nn.MSELoss())
+    try:  # a check of the arguments alone: every rank refuses alike, nothing is left waiting
+        schedule = engine(PipelineStage(stage, rank, world, torch.device("cpu")), m,
+                          loss_fn=nn.MSELoss())
+    except ValueError as error:
+        return None, " ".join(str(error).split())
     opt = torch.optim.SGD(stage.parameters(), lr=0.01)
 
     def step() -> list:
@@ -181,7 +185,10 @@ def _stage_run(rank: int, world: int, port: int, args: argparse.Namespace, out: 
             x, y = torch.randn(n, args.width, generator=g), torch.randn(n, args.width, generator=g)
             row, ours, our_loss = _fleetx_engine(layers, m, mode, x, y, args)
             theirs, their_loss = _torch_engine(layers, m, mode, x, y, args)
-            gap = abs(our_loss - their_loss) if their_loss is not None else None
+            if theirs is None:  # refused: keep its words for the table
+                gap = their_loss
+            else:
+                gap = abs(our_loss - their_loss) if their_loss is not None else None
             rows.append(row + (ours, theirs, gap))
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
@@ -201,8 +208,12 @@ def measure(p: int, args: argparse.Namespace) -> list:
         stages = [rows[i] for rows in per_stage]
         span = max(r[4] for r in stages) - min(r[3] for r in stages)
         bubble = sum(1 - r[2] / span for r in stages) / p
-        ours, theirs = max(r[7] for r in stages), max(r[8] for r in stages)
-        gap = max(r[9] for r in stages if r[9] is not None)
+        ours = max(r[7] for r in stages)
+        if stages[0][8] is None:
+            theirs, gap = None, stages[0][9]
+        else:
+            theirs = max(r[8] for r in stages)
+            gap = max(r[9] for r in stages if r[9] is not None)
         table.append((p, m, mode, bubble, (p - 1) / (m + p - 1), [r[5] for r in stages],
                       [r[6] for r in stages], ours, theirs, gap))
     return table
@@ -228,6 +239,11 @@ def main() -> None:
             print(f"| {p_} | {m} | {mode} | {bubble:.3f} | {theory:.3f} | {kib} | "
                   f"{', '.join(map(str, alive))} |", flush=True)
             timings.append((p_, m, mode, ours, theirs, gap))
+    _print_timings(timings, args)
+
+
+def _print_timings(timings: list, args: argparse.Namespace) -> None:
+    """The step-time table: fleetx against torch.distributed.pipelining, per (p, m, schedule)."""
     # With equal stages of sleeping blocks a mini-batch cannot take less than (m + p - 1)
     # micro-batch slots of 3 x blocks x ms (forward ms, backward 2 ms per block).
     print("\n| p | m | schedule (torch's) | fleetx ms/step | torch.distributed.pipelining "
@@ -237,6 +253,10 @@ def main() -> None:
     for p, m, mode, ours, theirs, gap in timings:
         bound = (m + p - 1) * 3 * args.layers_per_stage * args.ms
         engine = "Schedule1F1B" if mode == "1F1B" else "ScheduleGPipe"
+        if theirs is None:
+            print(f"| {p} | {m} | {mode} ({engine}) | {ours * 1e3:.1f} | refused: {gap} | - | "
+                  f"{bound:.0f} | - |", flush=True)
+            continue
         print(f"| {p} | {m} | {mode} ({engine}) | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | "
               f"{theirs / ours:.3f} | {bound:.0f} | {gap:.1e} |", flush=True)
 
