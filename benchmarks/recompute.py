@@ -41,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fleetx.strategy.measured import SavedForBackward
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 from model import GPT, GPTConfig  # noqa: E402  (the example's model, reused as is)
 
@@ -106,20 +108,11 @@ def wrap_blocks(model: nn.Module, names: list[str]) -> nn.Module:
 
 def saved_bytes(model: nn.Module, loss_fn: Callable, batch: tuple) -> int:
     """Bytes of the distinct storages one forward saves for backward, parameters left out."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedForBackward(model.parameters()) as saved:
         loss = loss_fn(model(batch[0]), batch[1])
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(saved.values())
+    return saved.bytes
 
 
 def trainers(kind: str, dims: dict) -> dict[str, tuple[Callable[[], None], int]]:

@@ -44,6 +44,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from ports import free_port
 
+from fleetx.strategy.measured import SavedForBackward
+
 STAGES = ("stage1", "stage2", "stage3")
 FLEETX = ("data_parallel",) + STAGES
 RAW = tuple(f"raw_{s}" for s in STAGES)
@@ -100,33 +102,11 @@ def build_raw(case: str, args) -> tuple[nn.Module, Callable, None]:
     return model, step, None
 
 
-class SavedBytes:
-    """Bytes the forward saves for backward, each storage once, parameters (and views of
-    them) left out: the activations."""
-
-    def __init__(self) -> None:
-        self.seen: set = set()
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if not (base.is_leaf and base.requires_grad):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self.seen:
-                self.seen.add(storage.data_ptr())
-                self.bytes += storage.nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
 def measure_memory(fleet, case: str, args, x, y) -> dict:
     """One step of ``case`` read at three moments (see the module docstring)."""
     model, step, opt = build_fleetx(fleet, case, args)
     step(x, y)  # every parameter gets its optimizer state
-    saved = SavedBytes()
-    with saved.hooks():
+    with SavedForBackward() as saved:
         loss = nn.functional.mse_loss(model(x), y)
     after_forward = fleet.state_bytes()
     opt.backward(loss)

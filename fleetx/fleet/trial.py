@@ -23,6 +23,7 @@ from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
 from fleetx.strategy.api import Plan, TrainingContext, WorldInfo, registered
 from fleetx.strategy.auto import Measurement, held_bytes
+from fleetx.strategy.measured import SavedForBackward
 from fleetx.strategy.planner import plan_for
 
 __all__ = ["apply_plan", "run_trial", "TRIAL_STEPS"]
@@ -71,16 +72,6 @@ def _surrogate_loss(output: Any) -> torch.Tensor:
     return torch.stack(found).sum()
 
 
-def _saved_bytes_hooks(params: set, saved: dict):
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in params:
-            saved[ptr] = storage.nbytes()
-        return t
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
 def _sync(world: WorldInfo) -> None:
     if world.device == "cuda":
         torch.cuda.synchronize()
@@ -89,19 +80,16 @@ def _sync(world: WorldInfo) -> None:
 def _step(world: WorldInfo, model: DistributedModel, opt: DistributedOptimizer, args: tuple,
           kwargs: dict) -> tuple[float, int, int]:
     """One training step: (seconds, state bytes after backward, bytes saved for backward)."""
-    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-              for p in model.parameters()}
-    saved: dict[int, int] = {}
     _sync(world)
     start = time.perf_counter()
-    with _saved_bytes_hooks(params, saved):
+    with SavedForBackward(model.parameters()) as saved:
         loss = _surrogate_loss(model(*args, **kwargs))
     opt.backward(loss)
     state = held_bytes(model.module, opt.inner)  # gradients are still held here
     opt.step()
     opt.zero_grad()
     _sync(world)
-    return time.perf_counter() - start, state, sum(saved.values())
+    return time.perf_counter() - start, state, saved.bytes
 
 
 def run_trial(world: WorldInfo, strategy: Any, model: torch.nn.Module,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["measure"]
+__all__ = ["measure", "SavedForBackward"]
 
 
 def measure(modules: Iterable[nn.Module], optimizer: Optional[torch.optim.Optimizer]
@@ -79,3 +79,57 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors_in(item)
+
+
+class SavedForBackward:
+    """Counts the bytes the autograd graph built inside ``with`` saves for backward: the
+    activations, each storage once, parameters left out.
+
+    A saved tensor is a parameter when it, or the tensor it is a view of, is a leaf that
+    requires grad (this covers the parameters FSDP2 gathers for a forward, which are not the
+    module's sharded ones), or when its storage is one of ``exclude``'s.
+
+    Args:
+        exclude: tensors whose storages never count (local shards are taken of DTensors).
+
+    Example:
+        >>> layer = nn.Linear(4, 4)
+        >>> with SavedForBackward() as saved:
+        ...     y = torch.relu(layer(torch.ones(2, 4)))
+        >>> saved.bytes  # the input (32) and relu's output (32); the weight is left out
+        64
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self._excluded = {_local(t).untyped_storage().data_ptr() for t in exclude}
+        self._seen: dict[int, int] = {}
+        self._hooks: Any = None
+
+    @property
+    def bytes(self) -> int:
+        """Bytes counted so far."""
+        return sum(self._seen.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if not (base.is_leaf and base.requires_grad) and ptr not in self._excluded:
+            self._seen[ptr] = storage.nbytes()
+        return t
+
+    def __enter__(self) -> "SavedForBackward":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t

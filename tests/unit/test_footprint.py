@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fleetx.fleet import Fleet, FleetError, memory
-from fleetx.strategy import footprint
+from fleetx.strategy import footprint, measured
 from fleetx.strategy.api import ModelInfo, OptimizerInfo, WorldInfo
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.footprint import Footprint
@@ -26,7 +26,7 @@ N_PARAMS = 4
 
 
 def test_doctests_pass():
-    for module in (footprint, memory):
+    for module in (footprint, memory, measured):
         failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert failures == 0, module.__name__
 

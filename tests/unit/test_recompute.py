@@ -23,6 +23,7 @@ from fleetx import DistributedStrategy, fleet as fleet_module
 from fleetx.fleet import Fleet, UtilBase
 from fleetx.strategy.api import ModelInfo, PlanInput, StrategyError, WorldInfo
 from fleetx.strategy.planner import make_plan
+from fleetx.strategy.measured import SavedForBackward
 from fleetx.strategy.recompute import checkpoint_modules
 
 DEPTH, WIDTH, BATCH = 8, 32, 64
@@ -127,19 +128,10 @@ def test_a_named_block_runs_twice_per_step_and_once_without_grad(fleet):
 
 def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
     """Bytes of the distinct storages saved for backward during one forward, parameters aside."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedForBackward(model.parameters()) as saved:
         loss = model(x).pow(2).mean()
     loss.backward()
-    return sum(saved.values())
+    return saved.bytes
 
 
 def test_saved_bytes_fall_by_more_than_half_with_every_block_named():
