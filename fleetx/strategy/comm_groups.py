@@ -16,7 +16,7 @@ from typing import Any
 
 from fleetx.comm.hooks import Channels
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
-from fleetx.strategy.data_parallel import DataParallelStrategy
+from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
 from fleetx.strategy.hierarchical_allreduce import HierarchicalAllReduceStrategy
 
 __all__ = ["CommGroupsStrategy"]
@@ -52,6 +52,10 @@ class CommGroupsStrategy(Strategy):
             return Verdict.fail("works in collective mode only (gradients all-reduced)")
         if world.world_size <= 1:
             return Verdict.skip("one process: no gradient is communicated", warn=True)
+        split = refuse_split_model(plan_input, f"it builds {n - 1} more process group(s) as "
+                                   f"if the world were one data-parallel group")
+        if split is not None:
+            return split
         return Verdict.ok(f"gradient buckets round-robin over {n} process groups, "
                           f"in flight together")
 

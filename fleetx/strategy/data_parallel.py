@@ -34,7 +34,7 @@ from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, Train
 from fleetx.parallel.hcg import get_hcg
 from fleetx.strategy.topology import Topology, resolve
 
-__all__ = ["DataParallelStrategy"]
+__all__ = ["DataParallelStrategy", "refuse_split_model"]
 
 # With fusion off every gradient travels alone: a bucket cap far below any real tensor gives one
 # bucket per parameter (DDP cannot be told "no buckets" directly).
@@ -106,6 +106,37 @@ def _model_parallel_topology(s: Any, world_size: int) -> Optional[Topology]:
     except StrategyError:
         return None
     return topo if topo.mp_degree * topo.pp_degree > 1 else None
+
+
+def refuse_split_model(plan_input: PlanInput, what: str) -> Optional[Verdict]:
+    """The verdict of a strategy that is not aware of the hybrid topology when tensor or
+    pipeline degrees split the model: it fails, naming the degrees; None when nothing is split.
+
+    Such a strategy communicates over the whole world, or builds process groups of its own that
+    ``new_group`` would need every process to create; under ``mp_degree`` or ``pp_degree`` > 1
+    the world's ranks hold different shards or stages, so it would mix them (or hang), where
+    only the data-parallel group holds replicas.
+
+    Args:
+        plan_input: the planner's input (strategy and world).
+        what: how the strategy communicates, e.g. ``"it averages parameters over every
+            process"``.
+
+    Example:
+        >>> from fleetx.strategy.api import WorldInfo
+        >>> from fleetx.strategy.distributed_strategy import DistributedStrategy
+        >>> s = DistributedStrategy(); s.hybrid_configs = {"mp_degree": 2}
+        >>> print(refuse_split_model(PlanInput(s, WorldInfo(world_size=2)),
+        ...                          "it averages over the world").reason)
+        mp_degree=2, pp_degree=1 (dp_degree=1): it averages over the world, while only ...
+    """
+    topo = _model_parallel_topology(plan_input.strategy, plan_input.world.world_size)
+    if topo is None:
+        return None
+    return Verdict.fail(f"mp_degree={topo.mp_degree}, pp_degree={topo.pp_degree} (dp_degree="
+                        f"{topo.dp_degree}): {what}, while only the hybrid topology's "
+                        f"data-parallel group holds replicas of the split model; turn it off, "
+                        f"or set hybrid_configs mp_degree and pp_degree to 1")
 
 
 def _data_parallel_group(ctx: TrainingContext) -> Any:

@@ -43,7 +43,7 @@ from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.amp import AmpStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
+from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
 from fleetx.strategy.lars import LarsStrategy
 from fleetx.strategy.localsgd import LocalSGDStrategy
 
@@ -310,6 +310,10 @@ class DGCStrategy(Strategy):
             return Verdict.fail(problem)
         if world.world_size <= 1:
             return Verdict.skip("one process: no gradient is communicated", warn=True)
+        split = refuse_split_model(plan_input, "its residuals and momentum correction average "
+                                   "over every process of the world")
+        if split is not None:
+            return split
         cfg = self.strategy.typed_config("dgc")
         schedule = cfg.sparsity or list(DEFAULT_SPARSITY)
         ramp = (f"sparsity {schedule} over {cfg.rampup_step} steps from step "

@@ -31,7 +31,7 @@ from torch.futures import Future
 from fleetx.comm.hooks import Topology, Traffic
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, TrainingContext, Verdict,
                                  WorldInfo, register)
-from fleetx.strategy.data_parallel import DataParallelStrategy
+from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
 
 __all__ = ["HierarchicalAllReduceStrategy", "HierarchicalTopology", "ranks_per_node"]
 
@@ -129,6 +129,11 @@ class HierarchicalAllReduceStrategy(Strategy):
             return Verdict.fail("works in collective mode only (gradients all-reduced)")
         if world.world_size <= 1:
             return Verdict.skip("one process: no gradient is communicated", warn=True)
+        split = refuse_split_model(plan_input, "it builds node and leader groups of "
+                                   "hierarchical_allreduce_inter_nranks consecutive ranks of "
+                                   "the world")
+        if split is not None:
+            return split
         per_node = ranks_per_node(s.hierarchical_allreduce_inter_nranks, world)
         if world.world_size % per_node:
             return Verdict.fail(f"{per_node} ranks per node (hierarchical_allreduce_inter_nranks)"

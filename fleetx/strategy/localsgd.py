@@ -36,7 +36,7 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
+from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
 
 __all__ = ["LocalSGDConfig", "LocalSGDStrategy", "check_local_sgd", "model_parameters"]
 
@@ -64,6 +64,10 @@ def check_local_sgd(plan_input: PlanInput) -> Optional[Verdict]:
         return Verdict.fail("runs in collective mode only")
     if world.world_size <= 1:
         return Verdict.skip("one process: no parameters to average", warn=True)
+    split = refuse_split_model(plan_input, "it averages the parameters over every process of "
+                               "the world")
+    if split is not None:
+        return split
     if opt.class_name and opt.class_name != "SGD":
         return Verdict.fail(f"needs the inner optimizer to be SGD or Momentum (torch.optim.SGD), "
                             f"got {opt.class_name}: parameter averaging only matches data "
