@@ -126,7 +126,7 @@ class DistributedOptimizer(OptimizerWrapper):
             method()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+                        error_if_nonfinite: bool = False) -> Optional[torch.Tensor]:
         """Clip the gradients of every parameter by their global norm; return the norm.
 
         Call it after backward, before :meth:`step` (or from a step pre-hook, e.g. for a
@@ -137,13 +137,20 @@ class DistributedOptimizer(OptimizerWrapper):
         ``torch.nn.utils.clip_grad_norm_`` on the unsplit model. Every rank of a replica must
         call it (the norm is summed over them).
 
+        On a gradient-merge micro-step whose :meth:`step` will not update (all but the last of
+        ``k_steps``) it does nothing and returns None: the gradients are a partial sum, not yet
+        synchronised, so their norm is not the update's. The clipping belongs to the update, as
+        Paddle's ``grad_clip`` does inside the optimizer: the same loop (``backward``,
+        ``clip_grad_norm_``, ``step``) clips the merged gradients once, on the last micro-step.
+
         Args:
             max_norm: the largest norm left unscaled.
             norm_type: the p of the p-norm (``float("inf")``: the largest absolute value).
             error_if_nonfinite: raise when the norm is nan or inf.
 
         Returns:
-            The total norm before clipping, a 0-d tensor, the same on every rank.
+            The total norm before clipping, a 0-d tensor, the same on every rank; None on a
+            gradient-merge micro-step before the last (nothing clipped).
 
         Raises:
             ValueError: ``norm_type`` is not positive, or ``amp`` scales the loss (the gradients
@@ -158,6 +165,8 @@ class DistributedOptimizer(OptimizerWrapper):
             raise ValueError("clip_grad_norm_ with strategy.amp: the gradients still carry the "
                              "loss scale before the step, so their norm is not the model's; "
                              "turn amp off to clip")
+        if any(partial() for partial in self._ctx.partial_gradients):
+            return None
         params = [p for group in self.inner.param_groups for p in group["params"]]
         return clip_grad_norm_(params, max_norm, norm_type, modules=self._modules(),
                                error_if_nonfinite=error_if_nonfinite)

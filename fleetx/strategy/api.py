@@ -78,6 +78,9 @@ class TrainingContext:
     * ``after_step``: ``fn() -> None`` run after every (taken or skipped) optimizer step.
     * ``zero_grad_guards``: ``fn() -> bool`` run by ``zero_grad``; any ``False`` keeps the
       gradients (they are still being accumulated).
+    * ``partial_gradients``: ``fn() -> bool``; any ``True`` says the gradients after this
+      backward are only part of an update, neither complete nor synchronised (a gradient-merge
+      micro-step before its last): ``clip_grad_norm_`` then leaves them alone.
     * ``sync_gradients``: ``fn() -> bool``; ``False`` runs the next backward under ``no_sync``.
       Strategies wrap the one in place (``prev() and mine()``) rather than replace it.
     * ``loss_listeners``: ``fn(loss) -> None`` told the loss of every backward run through the
@@ -111,6 +114,7 @@ class TrainingContext:
         self.step_guards: list[Callable[[], bool]] = []
         self.after_step: list[Callable[[], None]] = []
         self.zero_grad_guards: list[Callable[[], bool]] = []
+        self.partial_gradients: list[Callable[[], bool]] = []
         self.sync_gradients: Callable[[], bool] = lambda: True
         self.loss_listeners: list[Callable[[Any], None]] = []
         self.lr_listeners: list[Callable[[float], None]] = []

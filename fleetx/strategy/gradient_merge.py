@@ -132,6 +132,7 @@ class GradientMergeStrategy(Strategy):
             ctx.step_guards.append(state.at_boundary)
         ctx.after_step.append(state.advance)
         ctx.zero_grad_guards.append(state.merged)
+        ctx.partial_gradients.append(lambda: not state.at_boundary())
 
 
 def _pipe_degree(strategy: Any, world_size: int) -> int:

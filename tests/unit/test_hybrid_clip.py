@@ -114,3 +114,32 @@ def test_data_parallel_runs_over_the_data_parallel_group_of_a_hybrid_layout():
                                       "model (mp_degree=2 x pp_degree=2); nothing is replicated")
     applied, reason = _data_parallel_reason(2)  # no hybrid degrees: the world, as before
     assert applied and "over 2 processes" in reason
+
+
+def test_clip_on_a_gradient_merge_micro_step_does_nothing_until_the_update(one_process):
+    """The same loop (backward, clip, step) with k_steps=2: the first micro-step's partial,
+    unsynchronised gradients are left alone (None), the second clips the merged average as
+    torch clips the same average."""
+    f = one_process(gradient_merge=True, gradient_merge_configs={"k_steps": 2, "avg": True})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    want = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    want.load_state_dict(model.state_dict())
+    wrapped = f.distributed_model(model)
+    opt = f.distributed_optimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1))
+    xs = torch.randn(2, 5, 6, generator=torch.Generator().manual_seed(1))
+    opt.backward((wrapped(xs[0]) ** 2).sum())
+    before = [p.grad.clone() for p in model.parameters()]
+    assert opt.clip_grad_norm_(0.2) is None
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))
+    assert opt.step() is False
+    opt.zero_grad()  # kept: still accumulating
+    opt.backward((wrapped(xs[1]) ** 2).sum())
+    for x in xs:
+        ((want(x) ** 2).sum() / 2).backward()
+    ref = nn.utils.clip_grad_norm_(want.parameters(), 0.2)
+    norm = opt.clip_grad_norm_(0.2)
+    assert ref > 0.2 and torch.allclose(norm, ref, rtol=1e-6, atol=0)
+    for a, b in zip(want.parameters(), model.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-9)
+    assert opt.step() is True
