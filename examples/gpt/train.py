@@ -202,7 +202,8 @@ def build(args: argparse.Namespace, cfg: GPTConfig) -> tuple[torch.nn.Module, GP
         if args.mp > 1:
             cfg = GPTConfig(**{**vars(cfg), "tensor_parallel": True})
             return fleet.distributed_model(GPT(cfg).to(fleet.local_device())), cfg
-        stage = mpu.PipelineLayer(pipeline_layers(cfg), loss_fn=lm_loss, recompute_interval=1)
+        stage = mpu.PipelineLayer(pipeline_layers(cfg), loss_fn=lm_loss, recompute_interval=1,
+                                  seg_method="layer:PipeBlock")  # the blocks split evenly
         return fleet.distributed_model(stage.to(fleet.local_device())), cfg
     plain = GPT(cfg)
     fleet.init(is_collective=True, strategy=make_strategy(args, block_names(plain)))
