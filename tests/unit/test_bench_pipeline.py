@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import pipeline as bench  # noqa: E402
 
 
+@pytest.mark.slow  # two processes and two engines: 30-50 s on a busy 2-core machine
 def test_fleetx_and_torch_pipelining_run_the_same_stages():
     args = argparse.Namespace(micro=[3], micro_batch_size=2, layers_per_stage=1, width=8,
                               ms=1.0, steps=1)
