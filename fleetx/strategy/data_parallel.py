@@ -19,7 +19,9 @@ Strategies that change how gradients travel (``fp16_allreduce``, ``dgc``, hierar
 all-reduce, ``nccl_comm_num``) add stages to ``ctx.comm_hooks``; when the model is wrapped they
 are composed into DDP's one comm hook by :func:`fleetx.comm.hooks.compose`, and the pipeline's
 traffic counters are kept in ``ctx.state["data_parallel"]`` (so they appear under
-``optimizer.state_dict()["fleetx"]``).
+``optimizer.state_dict()["fleetx"]``). Those that communicate over the whole world or build
+process groups of their own (local SGD, DGC, hierarchical all-reduce, ``nccl_comm_num``) are
+refused when the model is split (:func:`refuse_split_model`).
 """
 from __future__ import annotations
 
