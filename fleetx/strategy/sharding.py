@@ -103,7 +103,7 @@ class ShardingConfig(Config):
         no_effect="offload is not implemented: on CPU the state is in host memory already")
     pp_allreduce_in_optimize: bool = option(
         False, "With pipelining, all-reduce gradients in the optimize phase.",
-        no_effect="pipeline parallelism is not implemented yet")
+        no_effect="sharding together with pipeline parallelism is not implemented")
     pp_degree: int = option(1, "Pipeline parallel degree (refused unless 1).", ge=1,
                             no_effect="sharding together with tensor or pipeline parallelism is "
                             "not implemented: with sharding on, a value other than 1 is refused")
