@@ -6,7 +6,7 @@ What it offers:
   training process group, a gloo side group for host-side utilities, ``pick_backend`` and
   ``default_timeout``;
 * ``hooks.py``: the one DDP comm hook, composed from the stages strategies add
-  (``GradientCodec`` casts or sparsifies, ``Topology`` routes, ``Channels`` spreads buckets);
+  (``GradientCodec`` casts or sparsifies, ``AllReducePath`` routes, ``Channels`` spreads buckets);
 * ``progress.py`` / ``blame.py``: every rank publishes how far it got; a rank whose collective
   fails works out which peer did not arrive and says so (and leaves a ``Blame`` for fleetrun);
 * ``debug.py``: ``FLEETX_DEBUG_COLLECTIVES=1``, every rank checks the others make the same call;

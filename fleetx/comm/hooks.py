@@ -13,7 +13,7 @@ buckets over several process groups. Each adds one stage to ``ctx.comm_hooks`` a
   their ``runs_after`` relations fix: ``dgc`` before ``fp16_allreduce``); each passes what
   continues down the pipeline to ``link.all_reduce`` and may run collectives of its own with
   ``link.all_gather``.
-* :class:`Topology`: how a sum travels, :class:`FlatTopology` unless a strategy gives another
+* :class:`AllReducePath`: how a sum travels, :class:`FlatAllReduce` unless a strategy gives another
   (at most one).
 * :class:`Channels`: how many independent process-group sets carry the buckets, round-robin by
   bucket index, all in flight at once (at most one).
@@ -45,7 +45,7 @@ from torch.futures import Future
 
 from fleetx.comm.api import check_call, checking
 
-__all__ = ["CommHookError", "Traffic", "Downstream", "GradientCodec", "Topology", "FlatTopology",
+__all__ = ["CommHookError", "Traffic", "Downstream", "GradientCodec", "AllReducePath", "FlatAllReduce",
            "Channels", "Pipeline", "compose", "done"]
 
 
@@ -109,7 +109,7 @@ class Traffic:
             setattr(self, key, dict(value) if key == "per_channel" else value)
 
 
-class Topology(abc.ABC):
+class AllReducePath(abc.ABC):
     """How a sum-all-reduce of one tensor travels among the data-parallel ranks."""
 
     @abc.abstractmethod
@@ -127,7 +127,7 @@ class Topology(abc.ABC):
         return type(self).__name__
 
 
-class FlatTopology(Topology):
+class FlatAllReduce(AllReducePath):
     """One all-reduce over every rank. Channel 0 is the data-parallel group itself."""
 
     def __init__(self) -> None:
@@ -210,10 +210,10 @@ class GradientCodec(abc.ABC):
 class Pipeline:
     """The composed hook's state: codecs, topology and channels for one DDP model."""
 
-    def __init__(self, codecs: Sequence[GradientCodec], topology: Optional[Topology],
+    def __init__(self, codecs: Sequence[GradientCodec], topology: Optional[AllReducePath],
                  channels: int, group: Any) -> None:
         self.codecs = list(codecs)  # as given: the first is outermost
-        self.flat = FlatTopology()
+        self.flat = FlatAllReduce()
         self.flat.connect(group, channels)
         self.topology = topology or self.flat
         if topology is not None:
@@ -264,7 +264,7 @@ def compose(entries: Sequence[tuple[Any, Any]], group: Any) -> Optional[tuple[An
     """The ``(state, hook)`` to register on DDP for ``ctx.comm_hooks``; None when empty.
 
     Args:
-        entries: ``(None, stage)`` with a :class:`GradientCodec`, :class:`Topology` or
+        entries: ``(None, stage)`` with a :class:`GradientCodec`, :class:`AllReducePath` or
             :class:`Channels` stage, or a single plain DDP ``(state, hook)`` pair. Empty gives
             None (DDP's own all-reduce), or the plain pipeline when the debug checks are on.
         group: the data-parallel process group. Process groups for channels and topologies are
@@ -286,7 +286,7 @@ def compose(entries: Sequence[tuple[Any, Any]], group: Any) -> Optional[tuple[An
     for state, stage in entries:
         if isinstance(stage, GradientCodec):
             codecs.append(stage)
-        elif isinstance(stage, Topology):
+        elif isinstance(stage, AllReducePath):
             topologies.append(stage)
         elif isinstance(stage, Channels):
             channels.append(stage)

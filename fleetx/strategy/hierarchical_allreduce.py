@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from fleetx.comm.hooks import Topology, Traffic
+from fleetx.comm.hooks import AllReducePath, Traffic
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, TrainingContext, Verdict,
                                  WorldInfo, register)
 from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
 
-__all__ = ["HierarchicalAllReduceStrategy", "HierarchicalTopology", "ranks_per_node"]
+__all__ = ["HierarchicalAllReduceStrategy", "HierarchicalAllReduce", "ranks_per_node"]
 
 
 def ranks_per_node(inter_nranks: int, world: WorldInfo) -> int:
@@ -49,7 +49,7 @@ class _Channel:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleetx-hier")
 
 
-class HierarchicalTopology(Topology):
+class HierarchicalAllReduce(AllReducePath):
     """Reduce in the node, all-reduce among node leaders, broadcast in the node.
 
     Args:
@@ -109,7 +109,7 @@ class HierarchicalTopology(Topology):
 
 @register
 class HierarchicalAllReduceStrategy(Strategy):
-    """Route gradient sums through node leaders.
+    """AllReducePath gradient sums through node leaders.
 
     Example:
         >>> from fleetx.strategy.distributed_strategy import DistributedStrategy
@@ -150,4 +150,4 @@ class HierarchicalAllReduceStrategy(Strategy):
 
     def apply(self, ctx: TrainingContext) -> None:
         per_node = ranks_per_node(self.strategy.hierarchical_allreduce_inter_nranks, ctx.world)
-        ctx.comm_hooks.append((None, HierarchicalTopology(per_node)))
+        ctx.comm_hooks.append((None, HierarchicalAllReduce(per_node)))

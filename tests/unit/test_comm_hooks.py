@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from fleetx.comm import hooks
-from fleetx.comm.hooks import (Channels, CommHookError, GradientCodec, Topology, Traffic,
+from fleetx.comm.hooks import (Channels, CommHookError, GradientCodec, AllReducePath, Traffic,
                                compose, done)
 from fleetx.strategy.fp16_allreduce import Fp16Codec
 
@@ -61,7 +61,7 @@ class Recorder(GradientCodec):
         return link.all_reduce(tensor).then(lambda f: f.value() * self.factor)
 
 
-class Summing(Topology):
+class Summing(AllReducePath):
     """A topology pretending there are two ranks holding the same tensor."""
 
     def __init__(self):
@@ -163,4 +163,4 @@ def test_traffic_wire_model_and_state_dict():
 
 
 def test_module_surface():
-    assert set(hooks.__all__) >= {"compose", "GradientCodec", "Topology", "Channels", "Traffic"}
+    assert set(hooks.__all__) >= {"compose", "GradientCodec", "AllReducePath", "Channels", "Traffic"}

@@ -18,7 +18,7 @@ from fleetx.strategy.data_parallel import DataParallelStrategy
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.fp16_allreduce import Fp16AllReduceStrategy, Fp16Codec
 from fleetx.strategy.hierarchical_allreduce import (HierarchicalAllReduceStrategy,
-                                                    HierarchicalTopology, ranks_per_node)
+                                                    HierarchicalAllReduce, ranks_per_node)
 from fleetx.strategy.planner import make_plan
 from fleetx.strategy.sync_batch_norm import SyncBatchNormStrategy
 
@@ -97,9 +97,9 @@ def test_hierarchical_installs_a_topology():
     ctx = TrainingContext(world, strategy(use_hierarchical_allreduce=True))
     HierarchicalAllReduceStrategy(ctx.strategy).apply(ctx)
     (_, topo), = ctx.comm_hooks
-    assert isinstance(topo, HierarchicalTopology) and topo.per_node == 2
+    assert isinstance(topo, HierarchicalAllReduce) and topo.per_node == 2
     with pytest.raises(ValueError, match="per_node must be >= 1"):
-        HierarchicalTopology(0)
+        HierarchicalAllReduce(0)
 
 
 # -- nccl_comm_num ---------------------------------------------------------------------------
