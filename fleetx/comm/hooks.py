@@ -45,8 +45,8 @@ from torch.futures import Future
 
 from fleetx.comm.api import check_call, checking
 
-__all__ = ["CommHookError", "Traffic", "Downstream", "GradientCodec", "AllReducePath", "FlatAllReduce",
-           "Channels", "Pipeline", "compose", "done"]
+__all__ = ["CommHookError", "Traffic", "Downstream", "GradientCodec", "AllReducePath",
+           "FlatAllReduce", "Channels", "Pipeline", "compose", "done"]
 
 
 class CommHookError(RuntimeError):

@@ -163,4 +163,5 @@ def test_traffic_wire_model_and_state_dict():
 
 
 def test_module_surface():
-    assert set(hooks.__all__) >= {"compose", "GradientCodec", "AllReducePath", "Channels", "Traffic"}
+    assert set(hooks.__all__) >= {"compose", "GradientCodec", "AllReducePath", "Channels",
+                                  "Traffic"}
