@@ -116,8 +116,9 @@ _BUCKETS = "ZeroRedundancyOptimizer and FSDP2 choose their own communication buc
      "host memory already)"),
     ({"optimize_cast": True}, "sharding_configs.optimize_cast (parameters stay float32 and amp "
                               "casts per operation, so there is no cast phase)"),
-    ({"pp_allreduce_in_optimize": True}, "sharding_configs.pp_allreduce_in_optimize (pipeline "
-                                         "parallelism is not implemented yet)"),
+    ({"pp_allreduce_in_optimize": True}, "sharding_configs.pp_allreduce_in_optimize (sharding "
+                                         "together with pipeline parallelism is not "
+                                         "implemented)"),
     ({"_dp_as_optimizer_sharding": True}, "sharding_configs._dp_as_optimizer_sharding (with no "
                                           "sharding_degree set the sharding group already is the "
                                           "data-parallel group)"),
