@@ -142,14 +142,18 @@ def test_two_nodes_with_different_secrets_fail_naming_the_endpoint(tmp_path, two
     both = "\n".join(f"--- node {n} ---\n{out}" for n, out in enumerate(outputs))
     for proc in procs:
         assert proc.returncode == 1, both
-    # Every worker meets server 0 first, and server 0 (node 0) stays up until its own timeout:
-    # node 1's worker is always refused there, by name.
-    assert f"server 0 ({addrs[0]}:6000) rejected this process's secret" in outputs[1], both
-    # Node 0's worker then meets server 1, which is refused too, unless node 1 has already
-    # stopped on its own refusal (then server 1 is gone): either way the endpoint is named.
-    assert (f"server 1 ({addrs[1]}:6000) rejected this process's secret" in outputs[0]
-            or f"server 1 ({addrs[1]}:6000) is not reachable" in outputs[0]), both
-    assert "--ps_secret_file" in outputs[1]
-    # Server 0 says who failed: node 1's address.
-    server0 = (tmp_path / "node0" / "log" / "serverlog.0").read_text()
-    assert f"a connection from {addrs[1]}" in server0 and "failed authentication" in server0
+    # A worker meets server 0, then server 1. The first node whose worker is refused stops,
+    # taking its server with it, so the other node's worker may find that server refusing
+    # or already gone: each node names the other node's server either way, and at least
+    # one refusal is named with its endpoint and the fix.
+    other = {0: 1, 1: 0}
+    refused = {n: f"server {o} ({addrs[o]}:6000) rejected this process's secret" in outputs[n]
+               for n, o in other.items()}
+    assert any(refused.values()), both
+    for n, o in other.items():
+        assert refused[n] or f"server {o} ({addrs[o]}:6000) is not reachable" in outputs[n], both
+        if refused[n]:
+            assert "--ps_secret_file" in outputs[n]
+            # The refusing server says who failed: this node's address.
+            log = (tmp_path / f"node{o}" / "log" / f"serverlog.{o}").read_text()
+            assert f"a connection from {addrs[n]}" in log and "failed authentication" in log
