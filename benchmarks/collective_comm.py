@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from ports import free_port
+from ratios import quartiles
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "fashion_mnist"))
@@ -157,13 +158,6 @@ def _entry(rank: int, world: int, port: int, part: str, args, out: str) -> None:
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     (_speed if part == "speed" else _accuracy)(rank, world, args, out)
-
-
-def quartiles(values: list) -> tuple:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], statistics.median(values), q[2]
 
 
 def report_speed(data: dict, world: int) -> dict:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ratios import quartiles
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "fashion_mnist"))
@@ -205,13 +206,6 @@ def _entry(rank: int, world: int, port: int, args) -> None:
         with open(args.out, "w") as f:
             json.dump(data, f)
     dist.barrier()
-
-
-def quartiles(values: list) -> tuple:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], statistics.median(values), q[2]
 
 
 def report_speed(data: dict) -> dict:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from ports import free_port
+from ratios import quartiles
 
 # model -> (layer widths, batch per rank, steps per window, warm-up steps)
 MODELS = {
@@ -116,11 +117,6 @@ def _run(rank: int, world: int, port: int, model_name: str, pairs: int, out: str
         with open(out, "w") as f:
             json.dump({"times": times, "samples_per_window": steps * batch * world}, f)
     dist.barrier()
-
-
-def quartiles(values: list) -> tuple:
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], statistics.median(values), q[2]
 
 
 def main() -> None:

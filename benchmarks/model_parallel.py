@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from ports import free_port
+from ratios import quartiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
 from model import GPT, GPTConfig, lm_loss, pipeline_layers  # noqa: E402
@@ -181,13 +182,6 @@ def _entry(rank: int, world: int, port: int, args, out: str) -> None:
         with open(out, "w") as f:
             json.dump({"memory": gathered, "times": times}, f)
     dist.barrier()
-
-
-def quartiles(values: list) -> tuple:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], statistics.median(values), q[2]
 
 
 def report_memory(ranks: list) -> dict:

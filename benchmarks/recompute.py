@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from ratios import quartiles
 
 from fleetx.strategy.measured import SavedForBackward
 
@@ -153,13 +154,6 @@ def window(step: Callable[[], None], steps: int) -> float:
     for _ in range(steps):
         step()
     return time.perf_counter() - start
-
-
-def quartiles(values: list) -> tuple:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], statistics.median(values), q[2]
 
 
 def measure(kind: str, dims: dict, rounds: int) -> dict:

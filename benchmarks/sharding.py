@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from ports import free_port
+from ratios import quartiles
 
 from fleetx.strategy.measured import SavedForBackward
 
@@ -158,13 +159,6 @@ def _entry(rank: int, world: int, port: int, args, out: str) -> None:
         with open(out, "w") as f:
             json.dump({"memory": gathered, "times": times}, f)
     dist.barrier()
-
-
-def quartiles(values: list) -> tuple:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], statistics.median(values), q[2]
 
 
 def report_memory(world: int, ranks: list) -> dict:
