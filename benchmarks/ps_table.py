@@ -17,7 +17,9 @@ line per measurement. ``--backend numpy`` runs the numpy fallback kernels instea
 
 ``--wire`` measures the same through the network instead: one server process
 (``python -m fleetx.ps serve``) over loopback and a KVClient in this process (pull: de-dup,
-route, one request, rows received in place; push: the same with gradients, async mode).
+route, one request, rows received in place; push: the same with gradients, async mode), and
+the CPU each side spends per request (``server_cpu_us_per_request``, ``client_cpu_us_per_request``;
+with ``--batch 1`` that is the fixed cost of a request, which ``benchmarks/ps_scaling.py`` uses).
 
 Usage:  python benchmarks/ps_table.py [--dist zipf|uniform] [--backend c|numpy] [--wire]
 """
@@ -54,21 +56,34 @@ def make_batches(args, keys, rng):
     return [np.unique(keys[b]) for b in idx]
 
 
-def bench(name, fn, batches, args, **extra):
+def bench(name, fn, batches, args, cpu=None, **extra):
+    """Print the median ids/s of ``fn`` over the windows; ``cpu()``, when given, returns
+    ``{field: cpu seconds so far}`` of the processes involved, reported per timed call."""
     for i in range(min(args.batches, NB)):  # warm-up
         fn(i)
     rates = []
+    before = cpu() if cpu else {}
     for _ in range(args.windows):
         n, t0 = 0, time.perf_counter()
         for i in range(args.batches):
             n += fn(i)
         rates.append(n / (time.perf_counter() - t0))
+    calls = args.windows * args.batches
+    extra.update({f"{k}_us_per_request": round(1e6 * (v - before[k]) / calls, 2)
+                  for k, v in (cpu() if cpu else {}).items()})
     print(json.dumps({"bench": name, "backend": kernels.backend(), "dist": args.dist,
                       "table": f"{args.rows}x{args.dim} f32", "batch": args.batch,
                       "unique_per_batch": round(float(np.mean([len(b) for b in batches]))),
                       "median_ids_per_s": round(statistics.median(rates)),
                       "min_ids_per_s": round(min(rates)), "max_ids_per_s": round(max(rates)),
                       **extra}), flush=True)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wire(args, keys, batches, grads):
@@ -90,13 +105,16 @@ def wire(args, keys, batches, grads):
     client.start()
     for lo in range(0, args.rows, 1 << 16):
         client.pull({"t": keys[lo:lo + (1 << 16)]}).wait()
+
+    def cpu():  # both processes, all threads: the client's receive thread included
+        return {"server_cpu": process_cpu_s(server.pid), "client_cpu": time.process_time()}
     bench("wire/pull", lambda i: len(client.pull({"t": batches[i % NB]}).wait().sparse["t"].ids),
-          batches, args)
+          batches, args, cpu)
 
     def push(i):
         client.push({"t": (batches[i % NB], grads[i % NB])}).wait()
         return len(batches[i % NB])
-    bench("wire/push/sgd", push, batches, args)
+    bench("wire/push/sgd", push, batches, args, cpu)
     client.stop()
     server.wait(timeout=30)
 
