@@ -160,9 +160,8 @@ def predict(m: ModeInputs, c: Costs, cluster: Cluster, rule: Optional[str] = Non
     t_hot = q * c.server_request_s + (kappa * kernels + rest) / S
     t_all = S * q * c.server_request_s + kernels + rest
     wait = m.stall_s_per_step + cluster.rtt_s
-    if m.mode == "sync":  # the round's replies leave once the server applied all W pushes
-        wait = max(m.stall_s_per_step - m.server_cpu_s_per_step, 0.0) + cluster.rtt_s \
-            + W * t_hot
+    if m.mode == "sync":  # the server's part of the round is counted apart, below
+        wait = max(m.stall_s_per_step - m.server_cpu_s_per_step, 0.0) + cluster.rtt_s
     limits = {"workers": W * B / (t_w + wait), "hottest server CPU": B / t_hot}
     if cluster.cores is not None:
         limits["shared cores"] = cluster.cores * B / (t_w + t_all)
@@ -177,7 +176,13 @@ def predict(m: ModeInputs, c: Costs, cluster: Cluster, rule: Optional[str] = Non
         limits["a worker's network"] = W * bw / max(nbytes["worker_out"], nbytes["worker_in"])
         limits["hottest server's network"] = bw / max(nbytes["server_in"], nbytes["server_out"])
     bottleneck = min(limits, key=limits.get)
-    return Prediction(limits[bottleneck], bottleneck, limits, t_w, wait, t_hot, t_all, nbytes)
+    rate = limits[bottleneck]
+    if m.mode == "sync":  # a round: the workers step, then the server applies all W pushes
+        serial = 1.0 / (1.0 / limits["workers"] + 1.0 / limits["hottest server CPU"])
+        if serial < rate:
+            rate = serial
+            bottleneck = min(("workers", "hottest server CPU"), key=limits.get)
+    return Prediction(rate, bottleneck, limits, t_w, wait, t_hot, t_all, nbytes)
 
 
 def server_memory(rows: float, servers: int, bytes_per_row: float, row_balance: float,

@@ -163,18 +163,21 @@ def _run(cmd: list, timeout: float) -> list:
 
 
 def measure_costs(args) -> dict:
+    """One shard's kernel rates, and the fixed CPU of a request on each side: what a batch
+    costs more when fanned out to ``--fanout`` servers instead of 1, per extra request."""
     size = ["--rows", args.table_rows, "--batches", args.table_batches, "--windows", 3]
     kern = {r["bench"]: r for r in _run([HERE / "ps_table.py", *size], args.timeout)}
-    wire = {r["bench"]: r for r in _run([HERE / "ps_table.py", "--wire", "--batch", 1, *size],
-                                        args.timeout)}
-    fixed = [wire["wire/pull"], wire["wire/push/sgd"]]
-    return {"server_request_s": float(np.mean([w["server_cpu_us_per_request"] for w in fixed]))
-            * 1e-6,
-            "client_request_s": float(np.mean([w["client_cpu_us_per_request"] for w in fixed]))
-            * 1e-6,
+    one, many = ({r["bench"]: r for r in _run([HERE / "ps_table.py", "--wire", "--servers", n,
+                                               *size], args.timeout)} for n in (1, args.fanout))
+
+    def fixed(side):   # per extra request, mean of pull and push; noise may make it < 0
+        extra = [(many[b][f"{side}_cpu_us_per_call"] - one[b][f"{side}_cpu_us_per_call"])
+                 / (args.fanout - 1) for b in ("wire/pull", "wire/push/sgd")]
+        return max(float(np.mean(extra)), 0.0) * 1e-6
+    return {"server_request_s": fixed("server"), "client_request_s": fixed("client"),
             "pull_ids_per_s": kern["pull"]["median_ids_per_s"],
             "push_ids_per_s": {r: kern[f"push/{r}"]["median_ids_per_s"] for r in ("sgd", "adam")},
-            "wire": fixed}
+            "kernels": list(kern.values()), "wire": [*one.values(), *many.values()]}
 
 
 def workload(args) -> dict:
@@ -339,6 +342,8 @@ def add_parsers(sub) -> None:
     p = sub.choices["inputs"]
     p.add_argument("--table-rows", type=int, default=10 ** 6, help="ps_table.py --rows")
     p.add_argument("--table-batches", type=int, default=200, help="ps_table.py --batches")
+    p.add_argument("--fanout", type=int, default=4,
+                   help="servers of the fan-out measurement (ps_table.py --wire --servers)")
     p.add_argument("--memory-rows", type=int, default=10 ** 6)
     p.add_argument("--balance-servers", default="1,2,4,8,16,100,300,1000")
     p.add_argument("--skews", default="0,1.0,1.2,1.5")
