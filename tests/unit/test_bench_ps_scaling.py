@@ -182,3 +182,49 @@ def test_inputs_and_validate_run_and_the_sockets_count_the_wire_format(tmp_path)
     rows = [line.split() for line in out.splitlines()[1:]]
     assert [r[:2] for r in rows] == [["async", "1x2"], ["async", "2x2"]]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+# -- the figures docs/scaling.md states ------------------------------------------------------------
+def test_shard_blocks_per_server_as_the_doc_says():
+    shards = np.arange(ps_scaling.SHARD_NUM)
+    for servers, sizes in ((100, {10}), (300, {3, 4}), (1000, {1})):
+        # server_of maps a shard s to s * S // shard_num: count the shards each server owns
+        owner = shards * servers // ps_scaling.SHARD_NUM
+        assert set(np.bincount(owner, minlength=servers)) == sizes
+    from fleetx.ps.api import PSConfig, PSConfigError
+    with pytest.raises(PSConfigError, match="shard_num=1000 < number of servers 1001"):
+        PSConfig(tuple(f"127.0.0.1:{6000 + i}" for i in range(1001)), 1)
+
+
+def test_uniform_ids_at_300_servers_balance_as_the_doc_says():
+    # blocks of 3 or 4 shards: even uniform ids leave the fullest server 1.26x the mean
+    batches = ps_scaling.zipf_batches(0.0, 10 ** 6, 200, ps_scaling.BATCH * ps_scaling.SLOTS)
+    assert ps_scaling.balance(batches, 300)["ids"] == pytest.approx(1.259, abs=5e-4)
+
+
+@pytest.mark.slow
+def test_ctr_workload_figures_as_the_doc_says(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "examples/wide_and_deep/gen_criteo.py"),
+                    "--lines", "200000", "--files", "10", "--out", str(tmp_path)],
+                   check=True, capture_output=True)
+    import argparse
+    work = ps_scaling.workload(argparse.Namespace(data=str(tmp_path), batch=512, k_steps=100))
+    assert work["batches"] == 390 and work["dense_numel"] == 493_215
+    assert work["distinct_ids"] == 177_675
+    assert work["unique_ids_per_step"] == pytest.approx(3491, abs=0.5)
+    assert work["geo_unique_ids_per_step"] == pytest.approx(806.4, abs=0.05)
+    u, d = work["unique_ids_per_step"], 4 * work["dense_numel"]
+    # section 3: per sample out (pull ids, push ids and gradients, dense) and in (rows, dense)
+    assert (8 * u + 72 * u + d) / 512 == pytest.approx(4400, abs=5)
+    assert (64 * u + d) / 512 == pytest.approx(4290, abs=5)
+    got = ps_scaling.balance(ps_scaling.workload_batches(str(tmp_path)), 100)
+    assert got["ids"] == pytest.approx(1.247, abs=5e-4)
+    assert got["raw"] == pytest.approx(3.914, abs=5e-4)
+    assert got["rows"] == pytest.approx(1.070, abs=5e-4)
+    assert got["top_id_share"] == pytest.approx(0.0226, abs=5e-5)
+    uniform = ps_scaling.zipf_batches(0.0, 10 ** 6, 200, ps_scaling.BATCH * ps_scaling.SLOTS)
+    assert ps_scaling.balance(uniform, 100)["ids"] == pytest.approx(1.025, abs=5e-4)
+    zipf = ps_scaling.zipf_batches(1.2, 10 ** 6, 200, ps_scaling.BATCH * ps_scaling.SLOTS)
+    skewed = ps_scaling.balance(zipf, 100)
+    assert (skewed["ids"], skewed["raw"]) == (pytest.approx(1.273, abs=5e-4),
+                                              pytest.approx(19.151, abs=5e-4))
