@@ -147,11 +147,13 @@ def summarize(workers: list, servers: list, batch: int) -> dict:
            "dense_received_bytes_per_sample": tot["dense"] / n,
            "frame_bytes": tot["framing"] / requests if requests else None}
     if servers:
-        lo, hi = min(starts), max(ends)
-        per_server = []
-        for s in servers:
-            wall, cpu = np.asarray(s["cpu_trace"], np.float64).T
-            per_server.append(float(np.interp(hi, wall, cpu) - np.interp(lo, wall, cpu)))
+        per_server = [_cpu_between(s["cpu_trace"], min(starts), max(ends)) for s in servers]
         out["server_cpu_s_per_step"] = sum(per_server) / steps
         out["hottest_server_cpu_s_per_step"] = max(per_server) / steps
     return out
+
+
+def _cpu_between(trace: list, lo: float, hi: float) -> float:
+    """CPU seconds a server's trace ``[(wall, cpu), ...]`` spent between two wall times."""
+    wall, cpu = np.asarray(trace, np.float64).T
+    return float(np.interp(hi, wall, cpu) - np.interp(lo, wall, cpu))

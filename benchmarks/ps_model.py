@@ -159,7 +159,8 @@ def predict(m: ModeInputs, c: Costs, cluster: Cluster, rule: Optional[str] = Non
     rest = max(variable - kernels_measured, 0.0)
     t_hot = q * c.server_request_s + (kappa * kernels + rest) / S
     t_all = S * q * c.server_request_s + kernels + rest
-    wait = m.stall_s_per_step + cluster.rtt_s
+    # (negative when a worker's threads overlapped on two cores: no wait then)
+    wait = max(m.stall_s_per_step, 0.0) + cluster.rtt_s
     if m.mode == "sync":  # the server's part of the round is counted apart, below
         wait = max(m.stall_s_per_step - m.server_cpu_s_per_step, 0.0) + cluster.rtt_s
     limits = {"workers": W * B / (t_w + wait), "hottest server CPU": B / t_hot}

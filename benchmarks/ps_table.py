@@ -23,7 +23,8 @@ together; ``client_cpu_us_per_call``). The difference between ``--servers 4`` an
 ``--servers 1`` is what fanning a batch out to 3 more servers costs: ``benchmarks/ps_scaling.py``
 takes the fixed cost of a request from it.
 
-Usage:  python benchmarks/ps_table.py [--dist zipf|uniform] [--backend c|numpy] [--wire [--servers N]]
+Usage:  python benchmarks/ps_table.py [--dist zipf|uniform] [--backend c|numpy]
+        python benchmarks/ps_table.py --wire [--servers N]
 """
 import argparse
 import json
