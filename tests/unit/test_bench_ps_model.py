@@ -168,3 +168,10 @@ def test_inputs_json_round_trip():
     assert pm.mode_inputs(doc, "async") == MODE
     assert pm.costs(doc) == COSTS
     assert pm.balance_at(doc, 4) == 1.5 and pm.balance_at(doc, 4, "rows") == 1.1
+
+
+def test_a_negative_measured_wait_counts_as_none():
+    # a worker whose sender thread ran on the second core used more CPU than wall time
+    p = pm.predict(replace(MODE, stall_s_per_step=-2e-3), COSTS, pm.Cluster(1, 1, rtt_s=1e-3))
+    assert p.wait_s_per_step == pytest.approx(1e-3)          # only the network's round trip
+    assert p.samples_per_s == pytest.approx(500 / 0.021)
