@@ -282,7 +282,11 @@ def cmd_validate(args) -> None:
 def _balance(doc: dict, servers: int, skew) -> float:
     if skew is None:
         return pm.balance_at(doc, servers)
-    return pm.balance_at({"balance": doc.get("balance_zipf", {}).get(skew, {})}, servers)
+    skews = doc.get("balance_zipf", {})
+    if skew not in skews:
+        raise SystemExit(f"--skew {skew}: no balance measured at that skew; measured: "
+                         f"{', '.join(skews) or 'none'} (inputs --skews)")
+    return pm.balance_at({"balance": skews[skew]}, servers)
 
 
 def cmd_predict(args) -> None:
@@ -363,7 +367,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--bandwidth-gbit", type=float, default=25.0, help="per NIC, each way")
     p.add_argument("--rtt", type=float, default=0.0, help="network round trip, seconds")
     p.add_argument("--rule", choices=("sgd", "adam"), default=None,
-                   help="the sparse rule (default: the measured jobs', SGD)")
+                   help="the sparse rule (default: the measured jobs', SGD; GEO servers "
+                        "always add deltas)")
     p.add_argument("--skew", default=None, help="use the balance of Zipf ids at this skew")
     p.add_argument("--request-cost-scale", type=float, default=1.0,
                    help="what if a request's fixed CPU were this many times today's")

@@ -150,6 +150,9 @@ def test_predict_subcommand_names_the_bottleneck(tmp_path):
                           "--servers", "7"], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode != 0
     assert "no partition balance for 7 servers; measured for: 1, 100" in res.stderr
+    res = subprocess.run([sys.executable, SCRIPT, "predict", "--inputs", str(path),
+                          "--skew", "2"], capture_output=True, text=True, cwd=ROOT)
+    assert "--skew 2: no balance measured at that skew; measured: 1.5" in res.stderr
 
 
 @pytest.mark.slow
