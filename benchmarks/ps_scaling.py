@@ -296,8 +296,13 @@ def cmd_predict(args) -> None:
                      costs.client_request_s * args.request_cost_scale, costs.pull_ids_per_s,
                      costs.push_ids_per_s)
     bw = args.bandwidth_gbit * GBIT if args.bandwidth_gbit else None
+    compute = doc.get("compute", {}).get("compute_s_per_sample")
     for mode in args.modes.split(","):
         inputs = pm.mode_inputs(doc, mode)
+        if compute:
+            print(f"{mode}: a worker's CPU per sample {1e6 * inputs.worker_cpu_s_per_sample:.1f} "
+                  f"us = the model's compute {1e6 * compute:.1f} us (plain PyTorch) + the PS "
+                  f"client {1e6 * (inputs.worker_cpu_s_per_sample - compute):.1f} us")
         for s in _ints(args.servers):
             for w in _ints(args.workers):
                 cluster = pm.Cluster(s, w, cores=args.cores, bandwidth_bytes_per_s=bw,

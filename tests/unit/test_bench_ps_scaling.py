@@ -129,6 +129,7 @@ def _inputs() -> dict:
                       "pull_ids_per_s": 2e7, "push_ids_per_s": {"sgd": 1.5e7, "adam": 5e6}},
             "balance": balance, "balance_zipf": {"1.5": balance},
             "workload": {"dense_numel": 493_215},
+            "compute": {"compute_s_per_sample": 3e-5},
             "memory": {"bytes_per_row": {r: row for r in ps_scaling.RULES},
                        "dense_width": {"sgd": 1.0, "adagrad": 2.0, "adam": 3.0},
                        "base_bytes": 3e8}}
@@ -145,6 +146,8 @@ def test_predict_subcommand_names_the_bottleneck(tmp_path):
     # 2 requests x 0.2 ms fixed on every server every worker step: the servers bind first
     assert lines[0]["bottleneck"] == "hottest server CPU"
     assert "bottleneck: hottest server CPU; then workers" in out
+    assert "async: a worker's CPU per sample 40.0 us = the model's compute 30.0 us (plain " \
+           "PyTorch) + the PS client 10.0 us" in out
     assert "memory, 1e+09 rows over 100 servers: fullest server sgd" in out
     res = subprocess.run([sys.executable, SCRIPT, "predict", "--inputs", str(path),
                           "--servers", "7"], capture_output=True, text=True, cwd=ROOT)
