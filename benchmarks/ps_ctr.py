@@ -261,11 +261,15 @@ def cmd_local(args: argparse.Namespace) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    log = pc.train_epochs(model, step, data, args.epochs, args.batch)
+    cpu = [time.process_time()]   # after each epoch too: CPU per sample, whatever else runs
+    log = pc.train_epochs(model, step, data, args.epochs, args.batch,
+                          on_epoch=lambda _: cpu.append(time.process_time()))
     row = {"samples": len(data), "load_s": load_s, "epoch_s": log.seconds}
     cum = (sum(p for p, _ in log.stats), sum(n for _, n in log.stats))
+    warm = cpu[1:] if len(cpu) > 2 else cpu
     print(json.dumps({"bench": "torch_local", "servers": 0, "workers": 1, "batch": args.batch,
                       **pc.aggregate([row]),
+                      "cpu_s_per_sample": (warm[-1] - warm[0]) / (len(data) * (len(warm) - 1)),
                       "auc": [round(auc_from_histograms(p, n), 4) for p, n in log.stats],
                       "last_auc": round(auc_from_histograms(*cum), 4),
                       "loss": [round(x, 5) for x in log.losses]}), flush=True)

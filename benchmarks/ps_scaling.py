@@ -227,7 +227,7 @@ def cmd_inputs(args) -> None:
     local = _run([HERE / "ps_ctr.py", "local", "--data", args.data, "--epochs", args.epochs,
                   "--batch", args.batch], args.timeout)[-1]
     doc["compute"] = {"local_samples_per_s": local["warm_samples_per_s"],
-                      "compute_s_per_sample": 1.0 / local["warm_samples_per_s"]}
+                      "compute_s_per_sample": local["cpu_s_per_sample"]}
     doc["modes"] = {m: calibrate(args, m, work) for m in args.modes.split(",")}
     batches = workload_batches(args.data, args.batch)
     doc["balance"] = {str(s): balance(batches, s) for s in _ints(args.balance_servers)}
