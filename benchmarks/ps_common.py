@@ -137,8 +137,10 @@ class EpochLog:
 
 def train_epochs(model: nn.Module, step: Callable[[torch.Tensor], None], data: CTRData,
                  epochs: int, batch: int,
-                 progress: Optional[Callable[[str], None]] = None) -> EpochLog:
-    """Run ``epochs`` passes over ``data``; ``step(loss)`` updates the model.
+                 progress: Optional[Callable[[str], None]] = None,
+                 on_epoch: Optional[Callable[[int], None]] = None) -> EpochLog:
+    """Run ``epochs`` passes over ``data``; ``step(loss)`` updates the model;
+    ``on_epoch(epoch)`` runs after each epoch, outside its timed span (counters read there).
 
     Predictions are scored before their batch's update (progressive validation), so each
     epoch's AUC is an honest estimate even without a held-out set.
@@ -165,6 +167,8 @@ def train_epochs(model: nn.Module, step: Callable[[torch.Tensor], None], data: C
         log.samples.append(len(data))
         log.losses.append(float(np.mean(losses)) if losses else float("nan"))
         log.stats.append((auc.stat_pos.copy(), auc.stat_neg.copy()))
+        if on_epoch:
+            on_epoch(epoch)
     return log
 
 

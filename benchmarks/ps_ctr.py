@@ -53,6 +53,7 @@ import torch  # noqa: E402
 
 import anchors  # noqa: E402
 import ps_common as pc  # noqa: E402
+import ps_counters  # noqa: E402
 from fleetx.ps.api import TRANSPORTS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -123,7 +124,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=pc.LR), strategy)
     if fleet.is_server():
         fleet.init_server()
+        probe = ps_counters.ServerProbe()
         fleet.run_server()
+        with open(f"{args.result}.server{fleet.server_index()}", "w") as f:
+            json.dump({"server": fleet.server_index(), "cpu_trace": probe.stop()}, f)
         return
     t0 = time.perf_counter()
     data = pc.read_criteo(fleet.util.get_file_shard(pc.data_files(args.data)))
@@ -131,7 +135,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     fleet.init_worker()
     rank = fleet.worker_index()
     say = (lambda s: print(f"worker {rank}: {s}", flush=True)) if not args.quiet else None
-    log = pc.train_epochs(model, opt.minimize, data, args.epochs, args.batch, say)
+    probe = ps_counters.WorkerProbe(fleet.server_endpoints())
+    probe.read()
+    log = pc.train_epochs(model, opt.minimize, data, args.epochs, args.batch, say, probe.read)
     global_aucs = [metrics.auc(p, n) for p, n in log.stats]      # collectives: every worker
     fleet.stop_worker()
     cum_pos = sum(p for p, _ in log.stats)
@@ -141,7 +147,8 @@ def cmd_train(args: argparse.Namespace) -> None:
               "load_s": round(load_s, 2), "epoch_s": [round(s, 3) for s in log.seconds],
               "loss": [round(x, 5) for x in log.losses],
               "auc": [round(a, 4) for a in global_aucs],
-              "auc_cum": round(metrics.auc_from_histograms(cum_pos, cum_neg), 4)}
+              "auc_cum": round(metrics.auc_from_histograms(cum_pos, cum_neg), 4),
+              "probe": probe.readings}
     with open(args.result, "a") as f:
         f.write(json.dumps(record) + "\n")
     if rank == 0 and not args.quiet:
@@ -187,10 +194,11 @@ def run_job(args: argparse.Namespace, transport: str) -> dict:
            "sparse_rule": args.sparse_rule, "k_steps": args.k_steps if args.mode == "geo" else None,
            "transport": transport, "batch": args.batch, "rc": rc, "job_wall_s": round(time.perf_counter() - t0, 1),
            "workers_reported": len(rows)}
+    servers = [json.load(open(p)) for p in sorted(Path(tmp).glob("result.jsonl.server*"))]
     if len(rows) == args.workers:
         first = min(rows, key=lambda r: r["worker"])
         out.update(pc.aggregate(rows), auc=first["auc"], last_auc=first["auc_cum"],
-                   loss=first["loss"])
+                   loss=first["loss"], counted=ps_counters.summarize(rows, servers, args.batch))
         shutil.rmtree(tmp)
     else:  # keep the logs of a failed job
         out["log_dir"] = tmp
@@ -253,11 +261,15 @@ def cmd_local(args: argparse.Namespace) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    log = pc.train_epochs(model, step, data, args.epochs, args.batch)
+    cpu = [time.process_time()]   # after each epoch too: CPU per sample, whatever else runs
+    log = pc.train_epochs(model, step, data, args.epochs, args.batch,
+                          on_epoch=lambda _: cpu.append(time.process_time()))
     row = {"samples": len(data), "load_s": load_s, "epoch_s": log.seconds}
     cum = (sum(p for p, _ in log.stats), sum(n for _, n in log.stats))
+    warm = cpu[1:] if len(cpu) > 2 else cpu
     print(json.dumps({"bench": "torch_local", "servers": 0, "workers": 1, "batch": args.batch,
                       **pc.aggregate([row]),
+                      "cpu_s_per_sample": (warm[-1] - warm[0]) / (len(data) * (len(warm) - 1)),
                       "auc": [round(auc_from_histograms(p, n), 4) for p, n in log.stats],
                       "last_auc": round(auc_from_histograms(*cum), 4),
                       "loss": [round(x, 5) for x in log.losses]}), flush=True)

@@ -15,16 +15,20 @@ Measured per batch:
 Each figure is the median over --windows windows of --batches batches after a warm-up; one JSON
 line per measurement. ``--backend numpy`` runs the numpy fallback kernels instead of C.
 
-``--wire`` measures the same through the network instead: one server process
+``--wire`` measures the same through the network instead: ``--servers`` (1) server processes
 (``python -m fleetx.ps serve``) over loopback and a KVClient in this process (pull: de-dup,
-route, one request, rows received in place; push: the same with gradients, async mode).
+route, one request per server, rows received in place; push: the same with gradients, async
+mode), and the CPU each side spends per call (``server_cpu_us_per_call``: all servers
+together; ``client_cpu_us_per_call``). The difference between ``--servers 4`` and
+``--servers 1`` is what fanning a batch out to 3 more servers costs: ``benchmarks/ps_scaling.py``
+takes the fixed cost of a request from it.
 
-Usage:  python benchmarks/ps_table.py [--dist zipf|uniform] [--backend c|numpy] [--wire]
+Usage:  python benchmarks/ps_table.py [--dist zipf|uniform] [--backend c|numpy]
+        python benchmarks/ps_table.py --wire [--servers N]
 """
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +46,7 @@ from fleetx.ps.api import InitConfig, PSConfig, RuleConfig, SparseTableSpec, Tab
 from fleetx.ps.client import KVClient  # noqa: E402
 from fleetx.ps.rules import make_rule  # noqa: E402
 from fleetx.ps.table import SparseTable  # noqa: E402
+from ports import free_port  # noqa: E402
 
 NB = 64
 
@@ -54,15 +59,21 @@ def make_batches(args, keys, rng):
     return [np.unique(keys[b]) for b in idx]
 
 
-def bench(name, fn, batches, args, **extra):
+def bench(name, fn, batches, args, cpu=None, **extra):
+    """Print the median ids/s of ``fn`` over the windows; ``cpu()``, when given, returns
+    ``{field: cpu seconds so far}`` of the processes involved, reported per timed call."""
     for i in range(min(args.batches, NB)):  # warm-up
         fn(i)
     rates = []
+    before = cpu() if cpu else {}
     for _ in range(args.windows):
         n, t0 = 0, time.perf_counter()
         for i in range(args.batches):
             n += fn(i)
         rates.append(n / (time.perf_counter() - t0))
+    calls = args.windows * args.batches
+    extra.update({f"{k}_us_per_call": round(1e6 * (v - before[k]) / calls, 2)
+                  for k, v in (cpu() if cpu else {}).items()})
     print(json.dumps({"bench": name, "backend": kernels.backend(), "dist": args.dist,
                       "table": f"{args.rows}x{args.dim} f32", "batch": args.batch,
                       "unique_per_batch": round(float(np.mean([len(b) for b in batches]))),
@@ -71,34 +82,52 @@ def bench(name, fn, batches, args, **extra):
                       **extra}), flush=True)
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has run so far, all its live threads, at nanosecond
+    resolution (``/proc/<pid>/task/*/schedstat``; ``/proc/<pid>/stat`` counts 10 ms ticks)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+    return total / 1e9
+
+
 def wire(args, keys, batches, grads):
-    """Pull and push through one server process over loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Pull and push through ``--servers`` server processes over loopback."""
     spec = SparseTableSpec("t", args.dim, RuleConfig("sgd", lr=0.01), InitConfig("uniform"))
-    config = PSConfig([f"127.0.0.1:{port}"], 1, mode="async")
+    config = PSConfig([f"127.0.0.1:{free_port()}" for _ in range(args.servers)], 1,
+                      mode="async")
     path = os.path.join(tempfile.mkdtemp(), "cluster.json")
     with open(path, "w") as f:
         json.dump({"config": config.to_dict(), "tables": json.loads(Tables((spec,)).to_json())},
                   f)
-    server = subprocess.Popen([sys.executable, "-m", "fleetx.ps", "serve", "--cluster", path,
-                               "--index", "0", "--log-level", "WARNING"],
-                              stdout=subprocess.PIPE, text=True)
-    server.stdout.readline()
+    servers = [subprocess.Popen([sys.executable, "-m", "fleetx.ps", "serve", "--cluster", path,
+                                 "--index", str(i), "--log-level", "WARNING"],
+                                stdout=subprocess.PIPE, text=True) for i in range(args.servers)]
+    for server in servers:
+        server.stdout.readline()
     client = KVClient(config, 0, Tables((spec,)))
     client.start()
     for lo in range(0, args.rows, 1 << 16):
         client.pull({"t": keys[lo:lo + (1 << 16)]}).wait()
+
+    def cpu():  # every process, all threads: the client's receive threads included
+        return {"server_cpu": sum(process_cpu_s(s.pid) for s in servers),
+                "client_cpu": time.process_time()}
+    extra = {"servers": args.servers}
     bench("wire/pull", lambda i: len(client.pull({"t": batches[i % NB]}).wait().sparse["t"].ids),
-          batches, args)
+          batches, args, cpu, **extra)
 
     def push(i):
         client.push({"t": (batches[i % NB], grads[i % NB])}).wait()
         return len(batches[i % NB])
-    bench("wire/push/sgd", push, batches, args)
+    bench("wire/push/sgd", push, batches, args, cpu, **extra)
     client.stop()
-    server.wait(timeout=30)
+    for server in servers:
+        server.wait(timeout=30)
 
 
 def main():
@@ -110,7 +139,8 @@ def main():
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--dist", choices=["zipf", "uniform"], default="zipf")
     ap.add_argument("--backend", choices=["c", "numpy"], default=kernels.backend())
-    ap.add_argument("--wire", action="store_true", help="through a server process")
+    ap.add_argument("--wire", action="store_true", help="through server processes")
+    ap.add_argument("--servers", type=int, default=1, help="with --wire: server processes")
     args = ap.parse_args()
     kernels.set_backend(args.backend)
     rng = np.random.default_rng(0)

@@ -59,9 +59,10 @@ _TCP_INFO_LEN, _BYTES_RECEIVED, _BYTES_SENT, _BYTES_RETRANS = 232, 128, 200, 208
 _TIMEOUT = datetime.timedelta(seconds=600)   # 8 ranks on 2 cores step slowly
 
 
-def tcp_bytes(skip_ports: set) -> tuple[int, int, int]:
+def tcp_bytes(skip_ports: set, only_ports: set | None = None) -> tuple[int, int, int]:
     """(bytes sent, bytes received, bytes retransmitted) so far over this process's connected
-    TCP sockets, leaving out any whose local or peer port is in ``skip_ports``. Bytes sent count
+    TCP sockets, leaving out any whose local or peer port is in ``skip_ports`` and, when
+    ``only_ports`` is given, any whose peer port is not in it. Bytes sent count
     each byte once: a retransmission (on an overloaded loopback, a tail-loss probe fired before
     the peer's ACK was scheduled) is counted apart.
 
@@ -85,6 +86,8 @@ def tcp_bytes(skip_ports: set) -> tuple[int, int, int]:
             except OSError:  # listening
                 continue
             if peer in skip_ports or sock.getsockname()[1] in skip_ports:
+                continue
+            if only_ports is not None and peer not in only_ports:
                 continue
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
             if len(info) < _BYTES_RETRANS + 8:
