@@ -1,0 +1,102 @@
+"""Reading one file through its shell pipeline: ``<download_cmd> <file> | <pipe_command>``.
+
+Both commands are real shell commands (``/bin/sh -c``), started as two processes joined by a
+pipe, as in the reference (``cat part-0 | python reader.py``). The output is handed on in chunks
+of whole lines. When the output ends, both exit statuses are checked: a command that failed
+(not found, a traceback in the generator, a missing file) is a :class:`PipeCommandError` naming
+the file, the command and the end of its stderr, never a silently shorter file. A reader that
+stops early (an error elsewhere, a consumer that broke off) kills both processes.
+"""
+from __future__ import annotations
+
+import shlex
+import signal
+import subprocess
+import tempfile
+from typing import IO, Iterator
+
+from fleetx.data.api import PipeCommandError
+
+__all__ = ["read_lines", "CHUNK_BYTES"]
+
+CHUNK_BYTES = 4 << 20   # a chunk of output parsed at once: large enough to amortise each call
+_STDERR_TAIL = 2000     # bytes of a failed command's stderr kept in the error
+# How a download command ends when the pipe command legitimately stopped reading early
+# (``head -n 100``): SIGPIPE, seen directly or through the shell (128 + 13).
+_SIGPIPE = {-signal.SIGPIPE, 128 + signal.SIGPIPE}
+
+
+def read_lines(path: str, download_cmd: str, pipe_command: str,
+               chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple]:
+    """Yield ``(first_line, data)``: the pipeline's output as chunks of whole lines (the last
+    one gets a newline if it lacked one); ``first_line`` numbers the chunk's first line from 1.
+
+    Raises:
+        PipeCommandError: a command exited non-zero (or could not be started); raised after the
+            output was consumed, so the samples read before it are never taken for the whole.
+    """
+    download = f"{download_cmd} {shlex.quote(path)}"
+    with tempfile.TemporaryFile() as err_dl, tempfile.TemporaryFile() as err_pipe:
+        first = subprocess.Popen(download, shell=True, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=err_dl)
+        try:
+            second = subprocess.Popen(pipe_command, shell=True, stdin=first.stdout,
+                                      stdout=subprocess.PIPE, stderr=err_pipe)
+        except BaseException:
+            _stop(first)
+            raise
+        finally:
+            first.stdout.close()  # the pipe command holds the read end now
+        finished = False
+        try:
+            yield from _chunks(second.stdout, chunk_bytes)
+            finished = True
+        finally:
+            if not finished:
+                _stop(second)
+                _stop(first)
+            second.stdout.close()
+        _check(path, [(download, first, err_dl), (pipe_command, second, err_pipe)])
+
+
+def _chunks(out: IO[bytes], chunk_bytes: int) -> Iterator[tuple]:
+    line, rest = 1, b""
+    while True:
+        data = out.read(chunk_bytes)
+        if not data:
+            break
+        data = rest + data if rest else data
+        cut = data.rfind(b"\n") + 1
+        if cut == 0:  # one line longer than a chunk: keep reading
+            rest = data
+            continue
+        yield line, data[:cut]
+        line += data.count(b"\n", 0, cut)
+        rest = data[cut:]
+    if rest:
+        yield line, rest + b"\n"
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+def _check(path: str, commands: list) -> None:
+    """Wait for both commands; raise for the download command if it failed (it comes first:
+    a pipe command that saw no input often fails as a consequence), else for the pipe command.
+    A download stopped by SIGPIPE (the pipe command stopped reading) is no failure of its own."""
+    (download, first, err_dl), (pipe_command, second, err_pipe) = commands
+    pipe_status, download_status = second.wait(), first.wait()
+    if download_status != 0 and download_status not in _SIGPIPE:
+        raise PipeCommandError(path, download, download_status, _tail(err_dl))
+    if pipe_status != 0:
+        raise PipeCommandError(path, pipe_command, pipe_status, _tail(err_pipe))
+
+
+def _tail(err: IO[bytes]) -> str:
+    err.seek(0, 2)
+    size = err.tell()
+    err.seek(max(0, size - _STDERR_TAIL))
+    return err.read().decode(errors="replace")
