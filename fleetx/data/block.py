@@ -153,8 +153,8 @@ class SampleBlock:
             values[s.name], at = _take(buffer, at, int(count), _NUMPY[s.dtype], where)
             expected = size * s.dense_width if s.dense else int(lengths[s.name].sum())
             if expected != count:
-                raise DataError(f"a packed block{where} is inconsistent: slot {s.name!r} has "
-                                f"{count} values for {expected} announced")
+                raise DataError(f"a packed block{where} is inconsistent: slot {s.name!r} holds "
+                                f"{count} values, its lengths add up to {expected}")
         return cls(slots, size, values, lengths)
 
 

@@ -291,8 +291,7 @@ class InMemoryDataset(DatasetBase):
             ShuffleError: another worker declared other slots.
         """
         self._idle("global_shuffle")
-        rank = int(fleet.worker_index()) if fleet is not None else 0
-        self._data = global_shuffle(self._data, fleet, rng_for(seed, rank))
+        self._data = global_shuffle(self._data, fleet, seed)
         self._shuffled = self._data.size
 
     def release_memory(self) -> None:

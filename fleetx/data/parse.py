@@ -47,6 +47,7 @@ _use_c = _c is not None
 _U64_MAX = np.iinfo(np.uint64).max
 _I64 = np.iinfo(np.int64)
 _INT_TOKEN = re.compile(rb"[+-]?[0-9]+")
+_LONE_SIGN = re.compile(rb"[+-](?![0-9])")
 _IRREGULAR = (b"  ", b" \n", b"\n ", b"\t", b"\r", b"\x0b", b"\x0c")
 
 
@@ -159,16 +160,28 @@ def _tokens_per_line(data: bytes, lines: list) -> np.ndarray:
     return np.fromiter(map(len, map(bytes.split, lines)), np.int64, count)
 
 
-def _read(text: bytes, dtype: str) -> np.ndarray:
-    """Numbers of a whitespace-separated byte string, as int64 or float32."""
+def _read(text: bytes, dtype: str, count: int) -> np.ndarray:
+    """The ``count`` numbers of a whitespace-separated byte string, as int64 or float32."""
+    numbers = _read_any(text, dtype)
+    if len(numbers) != count:
+        raise _Malformed
+    return numbers
+
+
+def _read_any(text: bytes, dtype: str) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         try:
             if dtype == "float32":
-                return np.fromstring(text, np.float64, sep=" ").astype(np.float32)
+                if b"(" in text:  # numpy reads "nan(1)"; Python's float() refuses it
+                    raise _Malformed
+                with np.errstate(over="ignore"):  # beyond float32: inf, as float() then cast
+                    return np.fromstring(text, np.float64, sep=" ").astype(np.float32)
             try:
                 raw = np.fromstring(text, np.uint64, sep=" ")
             except ValueError:  # a negative number: read signed instead
+                if _LONE_SIGN.search(text):  # numpy's signed reader takes "-" for 0
+                    raise _Malformed
                 signed = np.fromstring(text, np.int64, sep=" ")
                 if ((signed == _I64.max) | (signed == _I64.min)).any():
                     raise _Malformed  # saturated, perhaps: decide exactly, line by line
@@ -193,15 +206,13 @@ def _vectorised(data: bytes, lines: list, slots: tuple) -> SampleBlock:
     starts, ends = (ends - ntok)[ntok > 0], ends[ntok > 0]
     all_ints = all(s.dtype == "int64" for s in slots)
     if all_ints:
-        numbers = _read(data, "int64")
-        if len(numbers) != int(ntok.sum()):
-            raise _Malformed
+        numbers = _read(data, "int64", int(ntok.sum()))
         ints_at = numbers.__getitem__
     else:
         tokens = data.split()
 
         def ints_at(index: np.ndarray) -> np.ndarray:
-            return _read(b" ".join([tokens[i] for i in index.tolist()]), "int64")
+            return _read(b" ".join([tokens[i] for i in index.tolist()]), "int64", len(index))
     pos, layout = starts, []
     for slot in slots:
         if (pos >= ends).any():
@@ -219,7 +230,7 @@ def _vectorised(data: bytes, lines: list, slots: tuple) -> SampleBlock:
     for slot, (first, counts) in zip(slots, layout):
         index = _runs(first, counts)
         values[slot.name] = numbers[index] if all_ints else _read(
-            b" ".join([tokens[i] for i in index.tolist()]), slot.dtype)
+            b" ".join([tokens[i] for i in index.tolist()]), slot.dtype, len(index))
         if not slot.dense:
             lengths[slot.name] = counts.astype(np.int32)
     return SampleBlock(slots, len(starts), values, lengths)
@@ -299,8 +310,9 @@ def _block_of(rows: list, slots: Sequence[Slot]) -> SampleBlock:
         column = [row[index] for row in rows]
         flat = [v for sample in column for v in sample]
         dtype = np.float32 if slot.dtype == "float32" else np.int64
-        values[slot.name] = np.array(flat, np.float64 if dtype is np.float32 else np.int64
-                                     ).astype(dtype) if flat else np.empty(0, dtype)
+        with np.errstate(over="ignore"):  # beyond float32: inf, as the other parsers
+            values[slot.name] = np.array(flat, np.float64 if dtype is np.float32 else np.int64
+                                         ).astype(dtype) if flat else np.empty(0, dtype)
         if not slot.dense:
             lengths[slot.name] = np.array([len(s) for s in column], np.int32)
     return SampleBlock(slots, len(rows), values, lengths)

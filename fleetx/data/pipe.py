@@ -9,6 +9,7 @@ stops early (an error elsewhere, a consumer that broke off) kills both processes
 """
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from typing import IO, Iterator
 
 from fleetx.data.api import PipeCommandError
 
-__all__ = ["read_lines", "CHUNK_BYTES"]
+__all__ = ["read_lines", "stop_group", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 4 << 20   # a chunk of output parsed at once: large enough to amortise each call
 _STDERR_TAIL = 2000     # bytes of a failed command's stderr kept in the error
@@ -37,13 +38,15 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
     """
     download = f"{download_cmd} {shlex.quote(path)}"
     with tempfile.TemporaryFile() as err_dl, tempfile.TemporaryFile() as err_pipe:
+        # each command in a process group of its own: stopping it stops all it started
         first = subprocess.Popen(download, shell=True, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=err_dl)
+                                 stdout=subprocess.PIPE, stderr=err_dl, start_new_session=True)
         try:
             second = subprocess.Popen(pipe_command, shell=True, stdin=first.stdout,
-                                      stdout=subprocess.PIPE, stderr=err_pipe)
+                                      stdout=subprocess.PIPE, stderr=err_pipe,
+                                      start_new_session=True)
         except BaseException:
-            _stop(first)
+            stop_group(first)
             raise
         finally:
             first.stdout.close()  # the pipe command holds the read end now
@@ -53,8 +56,8 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
             finished = True
         finally:
             if not finished:
-                _stop(second)
-                _stop(first)
+                stop_group(second)
+                stop_group(first)
             second.stdout.close()
         _check(path, [(download, first, err_dl), (pipe_command, second, err_pipe)])
 
@@ -77,9 +80,13 @@ def _chunks(out: IO[bytes], chunk_bytes: int) -> Iterator[tuple]:
         yield line, rest + b"\n"
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_group(process: subprocess.Popen) -> None:
+    """Kill ``process`` and everything in its process group, then reap it."""
     if process.poll() is None:
-        process.kill()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # pragma: no cover - it exited meanwhile
+            pass
     process.wait()
 
 

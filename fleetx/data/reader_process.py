@@ -16,6 +16,7 @@ Protocol, over the process's stdin and stdout:
 from __future__ import annotations
 
 import json
+import signal
 import struct
 import subprocess
 import sys
@@ -27,12 +28,14 @@ import numpy as np
 
 from fleetx.data.api import BadLineError, DataError, PipeCommandError, Slot
 from fleetx.data.block import SampleBlock
+from fleetx.data.pipe import stop_group
 
 __all__ = ["ProcessReader", "main"]
 
 _HEADER = struct.Struct("<4sIqqq")
 _MAGIC = b"FXRD"
 _CHUNK, _DONE, _ERROR = 1, 2, 3
+_STOP_S = 5.0  # how long a reader process may take to stop its pipe commands
 _ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the fleetx package
 _BOOT = f"import sys; sys.path.insert(0, {_ROOT!r}); " \
         f"from fleetx.data.reader_process import main; main()"
@@ -76,6 +79,8 @@ def main() -> None:
                           config["chunk_bytes"])
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # only frames may reach the dataset
+    # stopped by the dataset: unwind, so that the file being read has its commands killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     def frame(kind: int, index: int, value: int, payload: Any = b"") -> None:
         data = memoryview(payload).cast("B") if len(payload) else b""
@@ -90,6 +95,22 @@ def main() -> None:
             frame(_DONE, index, skipped)
         except Exception as exc:  # sent to the dataset, raised there
             frame(_ERROR, index, 0, _error_payload(exc))
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """End a reader process: with no more jobs it exits by itself; one still reading is asked
+    to stop (SIGTERM: it kills its pipe commands on the way out), then killed."""
+    try:
+        child.stdin.close()
+    except OSError:  # pragma: no cover - it is gone already
+        pass
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(_STOP_S)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a process ignoring SIGTERM
+            stop_group(child)
+    child.wait()
 
 
 def _read_exact(stream: IO[bytes], size: int) -> Optional[bytearray]:
@@ -114,7 +135,8 @@ class ProcessReader:
         from fleetx.data.readers import Abandoned
         with tempfile.TemporaryFile() as err:
             child = subprocess.Popen([sys.executable, "-c", _BOOT, self.config],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                     start_new_session=True)
             try:
                 while (index := self.reader.take()) is not None:
                     path = self.reader.files[index]
@@ -127,9 +149,7 @@ class ProcessReader:
             except BrokenPipeError:
                 self.reader.failed(index, self._died(child, path, err))
             finally:
-                if child.poll() is None:
-                    child.kill()
-                child.wait()
+                _stop(child)
 
     def _receive(self, child: subprocess.Popen, index: int, path: str, err: IO[bytes]) -> bool:
         """Frames of file ``index`` until it is done (True) or failed (False)."""

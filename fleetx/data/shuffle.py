@@ -35,9 +35,9 @@ def local_shuffle(block: SampleBlock, rng: np.random.Generator) -> SampleBlock:
 
 
 def global_shuffle(block: SampleBlock, fleet: Optional[FleetLike],
-                   rng: np.random.Generator) -> SampleBlock:
+                   seed: Optional[int] = None) -> SampleBlock:
     """Exchange samples among the workers of ``fleet`` (see the module docstring); with no
-    fleet, or one worker, a local shuffle.
+    fleet, or one worker, a local shuffle. Worker ``r`` draws from ``rng_for(seed, r)``.
 
     Raises:
         ShuffleError: ``fleet`` lacks what is needed, or another worker's samples have other
@@ -45,12 +45,13 @@ def global_shuffle(block: SampleBlock, fleet: Optional[FleetLike],
         CommError: a worker did not take part in time (it is named).
     """
     if fleet is None:
-        return local_shuffle(block, rng)
+        return local_shuffle(block, rng_for(seed))
     for need in ("worker_num", "worker_index", "util"):
         if not hasattr(fleet, need):
             raise ShuffleError(f"global_shuffle(fleet=...) needs the fleet (fleetx.fleet or a "
                                f"Fleet): {type(fleet).__name__} has no {need!r}")
     workers, rank = int(fleet.worker_num()), int(fleet.worker_index())
+    rng = rng_for(seed, rank)
     if workers <= 1:
         return local_shuffle(block, rng)
     destination = rng.integers(0, workers, block.size)
