@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 import warnings
 from itertools import repeat
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class _Malformed(Exception):
 
 
 def parse_lines(data: bytes, slots: Sequence[Slot], file: str, first_line: int = 1,
-                skip_bad_lines: bool = False) -> tuple:
+                skip_bad_lines: bool = False, parser: Optional[str] = None) -> tuple:
     """Parse whole lines of slot text.
 
     Args:
@@ -65,6 +65,7 @@ def parse_lines(data: bytes, slots: Sequence[Slot], file: str, first_line: int =
         file: named in errors (the file whose pipe output this is).
         first_line: the number of ``data``'s first line in that output (from 1).
         skip_bad_lines: skip malformed lines (and count them) instead of raising.
+        parser: ``"c"`` or ``"numpy"``; None: :func:`backend`'s.
 
     Returns:
         ``(block, skipped)``: the samples, and how many malformed lines were skipped.
@@ -74,13 +75,28 @@ def parse_lines(data: bytes, slots: Sequence[Slot], file: str, first_line: int =
     """
     if not data.endswith(b"\n"):
         data += b"\n"
-    if _use_c:
+    if _c_chosen(parser):
         return _parse_c(data, tuple(slots), file, first_line, skip_bad_lines)
     lines = data.split(b"\n")[:-1]
     try:
         return _vectorised(data, lines, tuple(slots)), 0
     except _Malformed:
         return parse_line_by_line(lines, slots, file, first_line, skip_bad_lines)
+
+
+def _c_chosen(parser: Optional[str]) -> bool:
+    if parser is None:
+        return _use_c
+    _check_backend(parser)
+    return parser == "c"
+
+
+def _check_backend(name: str) -> None:
+    if name not in ("c", "numpy"):
+        raise ValueError(f"parser backend must be 'c' or 'numpy', got {name!r}")
+    if name == "c" and _c is None:
+        raise ValueError("the C slot parser (fleetx/data/_slots.c) is not built; reinstall "
+                         "fleetx with a C compiler (pip install -e .)")
 
 
 def backend() -> str:
@@ -95,11 +111,7 @@ def set_backend(name: str) -> None:
         ValueError: an unknown name, or ``"c"`` while the extension is not built.
     """
     global _use_c
-    if name not in ("c", "numpy"):
-        raise ValueError(f"parser backend must be 'c' or 'numpy', got {name!r}")
-    if name == "c" and _c is None:
-        raise ValueError("the C slot parser (fleetx/data/_slots.c) is not built; reinstall "
-                         "fleetx with a C compiler (pip install -e .)")
+    _check_backend(name)
     _use_c = name == "c"
 
 

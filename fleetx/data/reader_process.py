@@ -46,7 +46,7 @@ def _config(options: Any) -> str:
                        "download_cmd": options.download_cmd,
                        "pipe_command": options.pipe_command,
                        "skip_bad_lines": options.skip_bad_lines,
-                       "chunk_bytes": options.chunk_bytes})
+                       "chunk_bytes": options.chunk_bytes, "parser": options.parser})
 
 
 def _error_payload(exc: BaseException) -> bytes:
@@ -76,7 +76,7 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     options = ReadOptions(tuple(Slot(*s) for s in config["slots"]), config["download_cmd"],
                           config["pipe_command"], config["skip_bad_lines"],
-                          config["chunk_bytes"])
+                          config["chunk_bytes"], config["parser"])
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # only frames may reach the dataset
     # stopped by the dataset: unwind, so that the file being read has its commands killed

@@ -37,20 +37,22 @@ READER_KINDS = ("thread", "process")
 _POLL_S = 0.2  # how often a waiting reader looks whether the read was abandoned
 
 
-def default_kind() -> str:
+def default_kind(parser: Optional[str] = None) -> str:
     """``"thread"`` with the C parser (it runs without the GIL), else ``"process"``."""
-    return "thread" if backend() == "c" else "process"
+    return "thread" if (parser or backend()) == "c" else "process"
 
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """How every file is read: the commands, the slots, bad lines, the chunk size."""
+    """How every file is read: the commands, the slots, bad lines, the chunk size, and the
+    parser (None: the C one when it is built; benchmarks compare them)."""
 
     slots: tuple
     download_cmd: str = "cat"
     pipe_command: str = "cat"
     skip_bad_lines: bool = False
     chunk_bytes: int = CHUNK_BYTES
+    parser: Optional[str] = None
 
 
 @dataclass
@@ -77,7 +79,7 @@ def read_file(path: str, options: ReadOptions, emit: Callable) -> int:
     with contextlib.closing(chunks):  # stopping early kills the file's commands at once
         for first_line, data in chunks:
             block, bad = parse_lines(data, options.slots, path, first_line,
-                                     options.skip_bad_lines)
+                                     options.skip_bad_lines, options.parser)
             skipped += bad
             emit(block, data.count(b"\n"))
     return skipped
@@ -98,7 +100,7 @@ class ParallelReader:
 
     def __init__(self, files: Sequence[str], options: ReadOptions, readers: int = 1,
                  kind: Optional[str] = None, bound: int = 0) -> None:
-        kind = kind or default_kind()
+        kind = kind or default_kind(options.parser)
         if kind not in READER_KINDS:
             raise ValueError(f"reader kind must be one of {list(READER_KINDS)}, got {kind!r}")
         self.files, self.options, self.kind = list(files), options, kind
