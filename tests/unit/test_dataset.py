@@ -338,6 +338,16 @@ def test_a_consumer_that_stops_kills_the_pipe_commands(tmp_path):
         while any(map(alive, started)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(map(alive, started)), kind
+    # a for loop broken off does the same, once its iterator is dropped
+    q = make(QueueDataset, [str(tmp_path / "f")], batch_size=2, pipe_command="yes '1 5 1 0'")
+    for batch in q:
+        started = descendants("yes")
+        break
+    assert len(started) == 1
+    deadline = time.monotonic() + 10
+    while alive(started[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(started[0])
 
 
 def test_generator_script_as_pipe_command(tmp_path):
