@@ -10,11 +10,12 @@ stops early (an error elsewhere, a consumer that broke off) kills both processes
 from __future__ import annotations
 
 import os
+import select
 import shlex
 import signal
 import subprocess
 import tempfile
-from typing import IO, Iterator
+from typing import IO, Any, Iterator, Optional
 
 from fleetx.data.api import PipeCommandError
 
@@ -28,9 +29,11 @@ _SIGPIPE = {-signal.SIGPIPE, 128 + signal.SIGPIPE}
 
 
 def read_lines(path: str, download_cmd: str, pipe_command: str,
-               chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple]:
+               chunk_bytes: int = CHUNK_BYTES, tracker: Optional[Any] = None) -> Iterator[tuple]:
     """Yield ``(first_line, data)``: the pipeline's output as chunks of whole lines (the last
     one gets a newline if it lacked one); ``first_line`` numbers the chunk's first line from 1.
+    ``tracker`` (optional): ``add(process, stop)`` and ``discard(process)`` are told about the
+    two processes, so that a reader stopping from outside can kill them.
 
     Raises:
         PipeCommandError: a command exited non-zero (or could not be started); raised after the
@@ -50,6 +53,9 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
             raise
         finally:
             first.stdout.close()  # the pipe command holds the read end now
+        if tracker is not None:
+            tracker.add(first, stop_group)
+            tracker.add(second, stop_group)
         finished = False
         try:
             yield from _chunks(second.stdout, chunk_bytes)
@@ -59,22 +65,28 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
                 stop_group(second)
                 stop_group(first)
             second.stdout.close()
+            if tracker is not None:
+                tracker.discard(first)
+                tracker.discard(second)
         _check(path, [(download, first, err_dl), (pipe_command, second, err_pipe)])
 
 
 def _chunks(out: IO[bytes], chunk_bytes: int) -> Iterator[tuple]:
-    line, rest = 1, b""
-    while True:
-        data = out.read(chunk_bytes)
-        if not data:
-            break
-        data = rest + data if rest else data
+    """Whole lines as they come: a chunk grows to ``chunk_bytes`` while output keeps flowing,
+    and is handed on as soon as the command pauses (a slow generator's lines are not held back
+    until a full chunk is there)."""
+    line, rest, ended = 1, b"", False
+    while not ended:
+        parts = [rest, out.read1(chunk_bytes)]  # waits for the next output
+        size, ended = sum(map(len, parts)), not parts[1]
+        while not ended and size < chunk_bytes and select.select([out], [], [], 0)[0]:
+            parts.append(out.read1(chunk_bytes - size))
+            size, ended = size + len(parts[-1]), not parts[-1]
+        data = b"".join(parts)
         cut = data.rfind(b"\n") + 1
-        if cut == 0:  # one line longer than a chunk: keep reading
-            rest = data
-            continue
-        yield line, data[:cut]
-        line += data.count(b"\n", 0, cut)
+        if cut:
+            yield line, data[:cut]
+            line += data.count(b"\n", 0, cut)
         rest = data[cut:]
     if rest:
         yield line, rest + b"\n"

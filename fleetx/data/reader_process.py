@@ -97,6 +97,11 @@ def main() -> None:
             frame(_ERROR, index, 0, _error_payload(exc))
 
 
+def _ask_to_stop(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        child.terminate()  # it kills its pipe commands on the way out
+
+
 def _stop(child: subprocess.Popen) -> None:
     """End a reader process: with no more jobs it exits by itself; one still reading is asked
     to stop (SIGTERM: it kills its pipe commands on the way out), then killed."""
@@ -133,10 +138,17 @@ class ProcessReader:
 
     def run(self) -> None:
         from fleetx.data.readers import Abandoned
+        index = None
         with tempfile.TemporaryFile() as err:
-            child = subprocess.Popen([sys.executable, "-c", _BOOT, self.config],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                     start_new_session=True)
+            try:
+                child = subprocess.Popen([sys.executable, "-c", _BOOT, self.config],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, start_new_session=True)
+            except BaseException as exc:  # no process: the next file reports it
+                if (index := self.reader.take()) is not None:
+                    self.reader.failed(index, exc)
+                return
+            self.reader.add(child, _ask_to_stop)
             try:
                 while (index := self.reader.take()) is not None:
                     path = self.reader.files[index]
@@ -148,7 +160,10 @@ class ProcessReader:
                 return
             except BrokenPipeError:
                 self.reader.failed(index, self._died(child, path, err))
+            except BaseException as exc:  # handed to the dataset, raised there
+                self.reader.failed(index, exc)
             finally:
+                self.reader.discard(child)
                 _stop(child)
 
     def _receive(self, child: subprocess.Popen, index: int, path: str, err: IO[bytes]) -> bool:

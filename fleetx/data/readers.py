@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
+from fleetx.data.api import DataError
 from fleetx.data.block import SampleBlock
 from fleetx.data.parse import backend, parse_lines
 from fleetx.data.pipe import CHUNK_BYTES, read_lines
@@ -71,11 +72,13 @@ class _Failed:
     error: BaseException
 
 
-def read_file(path: str, options: ReadOptions, emit: Callable) -> int:
+def read_file(path: str, options: ReadOptions, emit: Callable,
+              tracker: Optional[object] = None) -> int:
     """Read one file; ``emit(block, lines)`` for each parsed chunk. Returns the bad lines
-    skipped."""
+    skipped. ``tracker``: ``add(process, stop)`` / ``discard(process)`` for its commands."""
     skipped = 0
-    chunks = read_lines(path, options.download_cmd, options.pipe_command, options.chunk_bytes)
+    chunks = read_lines(path, options.download_cmd, options.pipe_command, options.chunk_bytes,
+                        tracker)
     with contextlib.closing(chunks):  # stopping early kills the file's commands at once
         for first_line, data in chunks:
             block, bad = parse_lines(data, options.slots, path, first_line,
@@ -110,6 +113,7 @@ class ParallelReader:
         self._next, self._lock = 0, threading.Lock()
         self._stop = threading.Event()
         self._workers: list = []
+        self._active: dict = {}  # running processes -> how to stop them (close() does)
 
     def take(self) -> Optional[int]:
         """The next file index to read, or None when all are handed out or reading stopped."""
@@ -143,11 +147,24 @@ class ParallelReader:
     def failed(self, index: int, error: BaseException) -> None:
         self._put(index, _Failed(error))
 
+    def add(self, process: object, stop: Callable) -> None:
+        """Track a running process; :meth:`close` calls ``stop(process)`` if it still runs.
+        A process started after close() is stopped at once."""
+        with self._lock:
+            self._active[process] = stop
+            stopped = self._stop.is_set()
+        if stopped:
+            stop(process)
+
+    def discard(self, process: object) -> None:
+        with self._lock:
+            self._active.pop(process, None)
+
     def _thread_main(self) -> None:
         while (index := self.take()) is not None:
             try:
                 self.done(index, read_file(self.files[index], self.options,
-                                           self.emitter(index)))
+                                           self.emitter(index), self))
             except Abandoned:
                 return
             except BaseException as exc:  # handed to the consumer, raised there
@@ -173,7 +190,7 @@ class ParallelReader:
         try:
             for index, q in enumerate(self._queues):
                 while True:
-                    item = q.get()
+                    item = self._get(index, q)
                     if isinstance(item, _Failed):
                         raise item.error
                     if isinstance(item, _Done):
@@ -185,9 +202,24 @@ class ParallelReader:
         finally:
             self.close()
 
+    def _get(self, index: int, q: queue.Queue) -> object:
+        """The next item of file ``index``; an error if every reader ended without one (a bug
+        that would otherwise be a hang)."""
+        while True:
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not any(w.is_alive() for w in self._workers) and q.empty():
+                    raise DataError(f"the readers ended without finishing "
+                                    f"{self.files[index]}") from None
+
     def close(self) -> None:
-        """Stop every reader (their pipe commands are killed) and wait for them."""
-        self._stop.set()
+        """Stop every reader, killing the commands they run, and wait for them."""
+        with self._lock:
+            self._stop.set()
+            running = list(self._active.items())
+        for process, stop in running:
+            stop(process)  # a reader blocked on a slow command's output wakes up now
         for worker in self._workers:
             worker.join()
         self._workers = []

@@ -115,6 +115,15 @@ def test_run_from_stdin_exact_bytes_in_a_subprocess(tmp_path):
     assert res.stderr.count(b"noise") == 2
 
 
+def test_generators_and_readers_start_without_torch():
+    code = ("import sys, fleetx.data, fleetx.data.readers, fleetx.data.reader_process; "
+            "print('torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
 def test_fleet_exports_the_generators():
     assert fleet.MultiSlotDataGenerator is MultiSlotDataGenerator
     assert fleet.MultiSlotStringDataGenerator is MultiSlotStringDataGenerator

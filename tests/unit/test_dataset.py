@@ -350,6 +350,20 @@ def test_a_consumer_that_stops_kills_the_pipe_commands(tmp_path):
     assert not alive(started[0])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_slow_generator_streams_and_stops(tmp_path, kind):
+    (tmp_path / "f").write_text("")
+    q = make(QueueDataset, [str(tmp_path / "f")], reader=kind,
+             pipe_command="echo '1 5 1 0'; exec sleep 300")  # one line, then silence
+    start = time.monotonic()
+    stream = iter(q)
+    assert next(stream)["ids"].values.tolist() == [5]  # not held back for a full chunk
+    sleeper = descendants("sleep")
+    assert len(sleeper) == 1 and time.monotonic() - start < 20
+    stream.close()  # the reader waits on a silent command: closing kills it
+    assert time.monotonic() - start < 30 and not alive(sleeper[0])
+
+
 def test_generator_script_as_pipe_command(tmp_path):
     raw = tmp_path / "raw.csv"
     raw.write_text("1,5,6\n0,7\n1,8,9,10\n")
