@@ -364,6 +364,15 @@ def test_a_slow_generator_streams_and_stops(tmp_path, kind):
     assert time.monotonic() - start < 30 and not alive(sleeper[0])
 
 
+def test_a_reader_process_that_dies_is_named(tmp_path):
+    files = write_parts(tmp_path, [3])
+    # the pipe command's parent is the reader process (never this one: reader="process")
+    ds = make(files=files, reader="process", pipe_command="kill -9 $PPID; sleep 5")
+    with pytest.raises(DataError, match=r"the reader process reading .*part-0 exited with status "
+                                        r"-9; its stderr ends with:"):
+        ds.load_into_memory()
+
+
 def test_generator_script_as_pipe_command(tmp_path):
     raw = tmp_path / "raw.csv"
     raw.write_text("1,5,6\n0,7\n1,8,9,10\n")
