@@ -115,8 +115,8 @@ _VARS = [
        "named after FLEETX_TIMEOUT; one store write and read per collective. Default 0",
        "user", "comm", "TORCH_DISTRIBUTED_DEBUG=DETAIL (not for DDP over gloo in torch 2.13)"),
     _v("FLEETX_LOG_INTERVAL", "seconds between the progress lines of parameter-server workers "
-       "(samples/s, loss) and servers (rows, memory, requests/s); 0 turns them off (default 10)",
-       "user", "ps runtime", "none"),
+       "(samples/s, loss) and servers (rows, memory, requests/s), and of dataset loads (lines/s); "
+       "0 turns them off (default 10)", "user", "ps runtime, data", "none"),
     _v("FLEETX_PS_HEARTBEAT_INTERVAL", "seconds between heartbeats on an idle parameter-server "
        "connection (default 3)", "user", "ps runtime", "none"),
     _v("FLEETX_PS_DEAD_AFTER", "seconds of silence after which a parameter server or worker is "

@@ -43,4 +43,9 @@ if ! "$PY" -c "from fleetx.ps import _kernels" 2>/dev/null; then
        "'$PY -m pip install -v -e .' to see the compiler's error" >&2
   exit 1
 fi
+if ! "$PY" -c "from fleetx.data import _slots" 2>/dev/null; then
+  echo "setup: the slot parser of the datasets (fleetx.data._slots) did not build; rerun" \
+       "'$PY -m pip install -v -e .' to see the compiler's error" >&2
+  exit 1
+fi
 echo "fleetx set-up complete: $("$PY" -c 'import torch, fleetx; print("torch", torch.__version__, "| fleetx", fleetx.__version__)') | PS kernels: C"

@@ -11,12 +11,15 @@ calls on the fleet live in ``delegation.py``; ``state_bytes`` (the training stat
 process holds) in ``memory.py``; the errors in ``api.py``. The module-level
 functions are bound methods of one default :class:`Fleet`; build your own ``Fleet()`` for tests
 or for several jobs in one process. ``save_checkpoint`` / ``load_checkpoint``
-(``checkpoints.py``) save and restore the training state of a collective job.
+(``checkpoints.py``) save and restore the training state of a collective job. The datasets and
+data generators (``InMemoryDataset``, ``QueueDataset``, ``DatasetFactory``,
+``MultiSlotDataGenerator``...) are :mod:`fleetx.data`'s, re-exported here as in Paddle.
 
 What it may import: torch, :mod:`fleetx.env`, :mod:`fleetx.role_maker`, :mod:`fleetx.strategy`
 (its contract, the ``DistributedStrategy`` surface and the planner), :mod:`fleetx.comm` (the
 process groups), :mod:`fleetx.optim` (the wrapper base) and :mod:`fleetx.metrics` (re-exported
-as ``fleet.metrics``, as in Paddle). Those packages must not import ``fleet`` back: a lower
+as ``fleet.metrics``, as in Paddle) and :mod:`fleetx.data` (the datasets, re-exported). Those
+packages must not import ``fleet`` back: a lower
 layer that needs the fleet takes what it needs as an argument. It also imports
 :mod:`fleetx.checkpoint` (the format of the training checkpoints).
 
@@ -113,6 +116,10 @@ from fleetx.fleet import utils  # noqa: E402  (fleet.utils, Paddle's module; fle
 from fleetx.fleet import meta_parallel  # noqa: E402  (fleet.meta_parallel, as in Paddle)
 from fleetx.parallel.hcg import HybridCommunicateGroup  # noqa: E402  (exported by Paddle's fleet)
 from fleetx.metrics.api import set_default_util  # noqa: E402
+from fleetx.data.generator import (MultiSlotDataGenerator,  # noqa: E402  (as in Paddle)
+                                   MultiSlotStringDataGenerator)
+from fleetx.data.dataset import (DatasetBase, DatasetFactory, InMemoryDataset,  # noqa: E402
+                                 QueueDataset)
 
 # metrics called with util=None use fleet.util, read at each call (users may replace it); the
 # fleet hands it over here so that metrics never import the fleet
@@ -130,4 +137,6 @@ __all__ = [
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
     "init_worker", "init_server", "run_server", "stop_worker", "save_persistables",
     "save_checkpoint", "load_checkpoint",
+    "MultiSlotDataGenerator", "MultiSlotStringDataGenerator", "DatasetBase", "InMemoryDataset",
+    "QueueDataset", "DatasetFactory",
 ]

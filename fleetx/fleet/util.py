@@ -127,6 +127,46 @@ class UtilBase:
                 dist.broadcast(tensor, src=src, group=comm.host_group)
         return back(tensor)
 
+    def all_to_all(self, inputs: Sequence[Any], comm_world: str = "worker") -> list:
+        """Send ``inputs[j]`` to worker ``j``; return what every worker sent to this one, in
+        rank order. Each input is a 1-D numpy array or CPU tensor; all have one dtype, the same
+        on every worker; lengths may differ. (A fleetx addition: the global shuffle of
+        ``fleetx.data`` exchanges its samples with it, as raw buffers.)
+
+        Raises:
+            ValueError: not one 1-D input per worker, or inputs of different dtypes.
+            CommError: a worker did not take part in time (it is named).
+
+        Example:
+            >>> fleet.util.all_to_all([np.array([r, 0]), np.array([r, 1])])  # 2 workers, rank r
+            [array([0, r]), array([1, r])]
+        """
+        comm = self._group(comm_world)
+        world = 1 if comm is None else comm.world_size
+        if len(inputs) != world:
+            raise ValueError(f"all_to_all takes one input per worker ({world}), got "
+                             f"{len(inputs)}")
+        pairs = [_to_tensor(x) for x in inputs]
+        if any(t.dim() != 1 for t, _ in pairs) or len({t.dtype for t, _ in pairs}) > 1:
+            raise ValueError(f"all_to_all inputs must be 1-D and of one dtype; got shapes "
+                             f"{[tuple(t.shape) for t, _ in pairs]}, dtypes "
+                             f"{sorted({str(t.dtype) for t, _ in pairs})}")
+        back = pairs[0][1]
+        if comm is None:
+            return [back(pairs[0][0])]
+        sizes = torch.tensor([t.numel() for t, _ in pairs], dtype=torch.int64)
+        got = torch.empty_like(sizes)
+        comm.check("all_to_all(sizes)", comm.host_group, [sizes])
+        with comm.explaining("fleet.util.all_to_all"):
+            dist.all_to_all_single(got, sizes, group=comm.host_group)
+        out = torch.empty(int(got.sum()), dtype=pairs[0][0].dtype)
+        send = torch.cat([t for t, _ in pairs])
+        comm.check("all_to_all(data)", comm.host_group, [send[:0]])
+        with comm.explaining("fleet.util.all_to_all"):
+            dist.all_to_all_single(out, send, got.tolist(), sizes.tolist(),
+                                   group=comm.host_group)
+        return [back(part.clone()) for part in torch.split(out, got.tolist())]
+
     def get_file_shard(self, files: Sequence[str]) -> list:
         """This worker's contiguous block of ``files``; the first ``len % n`` blocks get one extra.
 

@@ -32,6 +32,7 @@ def _collectives(rank: int, world: int, out: str) -> None:
         "gather": u.all_gather(rank),
         "gather_shapes": u.all_gather(np.arange(rank + 2)),
         "bcast": u.broadcast(np.array([rank * 7.0]), src=1),
+        "a2a": u.all_to_all([np.array([rank, 0]), np.arange(rank + 1) + 10 * rank]),
         "endpoints": fleet.worker_endpoints(),
         "num": fleet.worker_num(),
     }
@@ -51,6 +52,9 @@ def test_util_collectives(tmp_path):
         assert r["gather"] == [0, 1]
         assert [a.tolist() for a in r["gather_shapes"]] == [[0, 1], [0, 1, 2]]
         assert r["bcast"].tolist() == [7.0]
+        # worker w sent [w, 0] to worker 0 and [10w .. 10w + w] to worker 1
+        assert [a.tolist() for a in r["a2a"]] == ([[0, 0], [1, 0]] if rank == 0 else
+                                                  [[0], [10, 11]])
         assert r["num"] == 2
 
 

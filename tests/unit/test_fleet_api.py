@@ -129,6 +129,14 @@ def test_get_file_shard(files, n, expected):
         assert f.util.get_file_shard(files) == expected[index]
 
 
+def test_all_to_all_on_one_process(fleet):
+    assert [a.tolist() for a in fleet.util.all_to_all([np.arange(3)])] == [[0, 1, 2]]
+    with pytest.raises(ValueError, match=r"all_to_all takes one input per worker \(1\), got 2"):
+        fleet.util.all_to_all([np.arange(3), np.arange(2)])
+    with pytest.raises(ValueError, match="all_to_all inputs must be 1-D and of one dtype"):
+        fleet.util.all_to_all([np.zeros((2, 2))])
+
+
 def test_get_file_shard_needs_a_list(fleet):
     with pytest.raises(TypeError, match="files should be a list of file need to be read."):
         fleet.util.get_file_shard("a,b")

@@ -1,0 +1,121 @@
+"""Reading one file through its shell pipeline: ``<download_cmd> <file> | <pipe_command>``.
+
+Both commands are real shell commands (``/bin/sh -c``), started as two processes joined by a
+pipe, as in the reference (``cat part-0 | python reader.py``). The output is handed on in chunks
+of whole lines. When the output ends, both exit statuses are checked: a command that failed
+(not found, a traceback in the generator, a missing file) is a :class:`PipeCommandError` naming
+the file, the command and the end of its stderr, never a silently shorter file. A reader that
+stops early (an error elsewhere, a consumer that broke off) kills both processes.
+"""
+from __future__ import annotations
+
+import os
+import select
+import shlex
+import signal
+import subprocess
+import tempfile
+from typing import IO, Any, Iterator, Optional
+
+from fleetx.data.api import PipeCommandError
+
+__all__ = ["read_lines", "stop_group", "CHUNK_BYTES"]
+
+CHUNK_BYTES = 4 << 20   # a chunk of output parsed at once: large enough to amortise each call
+_STDERR_TAIL = 2000     # bytes of a failed command's stderr kept in the error
+# How a download command ends when the pipe command legitimately stopped reading early
+# (``head -n 100``): SIGPIPE, seen directly or through the shell (128 + 13).
+_SIGPIPE = {-signal.SIGPIPE, 128 + signal.SIGPIPE}
+
+
+def read_lines(path: str, download_cmd: str, pipe_command: str,
+               chunk_bytes: int = CHUNK_BYTES, tracker: Optional[Any] = None) -> Iterator[tuple]:
+    """Yield ``(first_line, data)``: the pipeline's output as chunks of whole lines (the last
+    one gets a newline if it lacked one); ``first_line`` numbers the chunk's first line from 1.
+    ``tracker`` (optional): ``add(process, stop)`` and ``discard(process)`` are told about the
+    two processes, so that a reader stopping from outside can kill them.
+
+    Raises:
+        PipeCommandError: a command exited non-zero (or could not be started); raised after the
+            output was consumed, so the samples read before it are never taken for the whole.
+    """
+    download = f"{download_cmd} {shlex.quote(path)}"
+    with tempfile.TemporaryFile() as err_dl, tempfile.TemporaryFile() as err_pipe:
+        # each command in a process group of its own: stopping it stops all it started
+        first = subprocess.Popen(download, shell=True, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=err_dl, start_new_session=True)
+        try:
+            second = subprocess.Popen(pipe_command, shell=True, stdin=first.stdout,
+                                      stdout=subprocess.PIPE, stderr=err_pipe,
+                                      start_new_session=True)
+        except BaseException:
+            stop_group(first)
+            raise
+        finally:
+            first.stdout.close()  # the pipe command holds the read end now
+        if tracker is not None:
+            tracker.add(first, stop_group)
+            tracker.add(second, stop_group)
+        finished = False
+        try:
+            yield from _chunks(second.stdout, chunk_bytes)
+            finished = True
+        finally:
+            if not finished:
+                stop_group(second)
+                stop_group(first)
+            second.stdout.close()
+            if tracker is not None:
+                tracker.discard(first)
+                tracker.discard(second)
+        _check(path, [(download, first, err_dl), (pipe_command, second, err_pipe)])
+
+
+def _chunks(out: IO[bytes], chunk_bytes: int) -> Iterator[tuple]:
+    """Whole lines as they come: a chunk grows to ``chunk_bytes`` while output keeps flowing,
+    and is handed on as soon as the command pauses (a slow generator's lines are not held back
+    until a full chunk is there)."""
+    line, rest, ended = 1, b"", False
+    while not ended:
+        parts = [rest, out.read1(chunk_bytes)]  # waits for the next output
+        size, ended = sum(map(len, parts)), not parts[1]
+        while not ended and size < chunk_bytes and select.select([out], [], [], 0)[0]:
+            parts.append(out.read1(chunk_bytes - size))
+            size, ended = size + len(parts[-1]), not parts[-1]
+        data = b"".join(parts)
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            yield line, data[:cut]
+            line += data.count(b"\n", 0, cut)
+        rest = data[cut:]
+    if rest:
+        yield line, rest + b"\n"
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """Kill ``process`` and everything in its process group, then reap it."""
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # pragma: no cover - it exited meanwhile
+            pass
+    process.wait()
+
+
+def _check(path: str, commands: list) -> None:
+    """Wait for both commands; raise for the download command if it failed (it comes first:
+    a pipe command that saw no input often fails as a consequence), else for the pipe command.
+    A download stopped by SIGPIPE (the pipe command stopped reading) is no failure of its own."""
+    (download, first, err_dl), (pipe_command, second, err_pipe) = commands
+    pipe_status, download_status = second.wait(), first.wait()
+    if download_status != 0 and download_status not in _SIGPIPE:
+        raise PipeCommandError(path, download, download_status, _tail(err_dl))
+    if pipe_status != 0:
+        raise PipeCommandError(path, pipe_command, pipe_status, _tail(err_pipe))
+
+
+def _tail(err: IO[bytes]) -> str:
+    err.seek(0, 2)
+    size = err.tell()
+    err.seek(max(0, size - _STDERR_TAIL))
+    return err.read().decode(errors="replace")

@@ -1,0 +1,200 @@
+"""Reader processes: one per reader thread of a :class:`~fleetx.data.readers.ParallelReader`
+of kind ``"process"``; the parsing happens here, outside the dataset's interpreter.
+
+The process is started as ``python -c "...; main()" CONFIG`` (never through multiprocessing, so
+the user's ``__main__`` is not imported again and needs no ``if __name__ == "__main__"``
+guard). It imports numpy and ``fleetx.data``'s torch-free modules only.
+
+Protocol, over the process's stdin and stdout:
+
+* jobs, one JSON line each: ``[file_index, path]``; end of stdin: exit 0;
+* frames back: a 32-byte header ``<4sIqqq`` (``b"FXRD"``, kind, file index, value, payload
+  bytes) then the payload: kind 1 a chunk (value: its lines; payload: a packed
+  :class:`~fleetx.data.block.SampleBlock`), kind 2 the file is done (value: bad lines
+  skipped), kind 3 an error (payload: JSON naming the error type and its fields).
+"""
+from __future__ import annotations
+
+import json
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Optional
+
+import numpy as np
+
+from fleetx.data.api import BadLineError, DataError, PipeCommandError, Slot
+from fleetx.data.block import SampleBlock
+from fleetx.data.pipe import stop_group
+
+__all__ = ["ProcessReader", "main"]
+
+_HEADER = struct.Struct("<4sIqqq")
+_MAGIC = b"FXRD"
+_CHUNK, _DONE, _ERROR = 1, 2, 3
+_STOP_S = 5.0  # how long a reader process may take to stop its pipe commands
+_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the fleetx package
+_BOOT = f"import sys; sys.path.insert(0, {_ROOT!r}); " \
+        f"from fleetx.data.reader_process import main; main()"
+
+
+def _config(options: Any) -> str:
+    return json.dumps({"slots": [[s.name, s.dtype, s.dense_width] for s in options.slots],
+                       "download_cmd": options.download_cmd,
+                       "pipe_command": options.pipe_command,
+                       "skip_bad_lines": options.skip_bad_lines,
+                       "chunk_bytes": options.chunk_bytes, "parser": options.parser})
+
+
+def _error_payload(exc: BaseException) -> bytes:
+    if isinstance(exc, PipeCommandError):
+        fields = {"file": exc.file, "command": exc.command, "returncode": exc.returncode,
+                  "stderr": exc.stderr}
+    elif isinstance(exc, BadLineError):
+        fields = {"file": exc.file, "line": exc.line, "reason": exc.reason}
+    else:
+        fields = {"message": f"{type(exc).__name__}: {exc}"}
+    return json.dumps({"type": type(exc).__name__, "fields": fields}).encode()
+
+
+def _error_from(payload: bytes, path: str) -> BaseException:
+    sent = json.loads(payload)
+    kind, fields = sent["type"], sent["fields"]
+    if kind == "PipeCommandError":
+        return PipeCommandError(**fields)
+    if kind == "BadLineError":
+        return BadLineError(**fields)
+    return DataError(f"reading {path} in a reader process: {fields['message']}")
+
+
+def main() -> None:
+    """The reader process: read the jobs on stdin, answer with frames on stdout."""
+    from fleetx.data.readers import ReadOptions, read_file
+    config = json.loads(sys.argv[1])
+    options = ReadOptions(tuple(Slot(*s) for s in config["slots"]), config["download_cmd"],
+                          config["pipe_command"], config["skip_bad_lines"],
+                          config["chunk_bytes"], config["parser"])
+    out = sys.stdout.buffer
+    sys.stdout = sys.stderr  # only frames may reach the dataset
+    # stopped by the dataset: unwind, so that the file being read has its commands killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+    def frame(kind: int, index: int, value: int, payload: Any = b"") -> None:
+        data = memoryview(payload).cast("B") if len(payload) else b""
+        out.write(_HEADER.pack(_MAGIC, kind, index, value, len(data)))
+        out.write(data)
+        out.flush()
+    for job in sys.stdin.buffer:
+        index, path = json.loads(job)
+        try:
+            skipped = read_file(path, options, lambda block, lines: frame(
+                _CHUNK, index, lines, block.pack()))
+            frame(_DONE, index, skipped)
+        except Exception as exc:  # sent to the dataset, raised there
+            frame(_ERROR, index, 0, _error_payload(exc))
+
+
+def _ask_to_stop(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        child.terminate()  # it kills its pipe commands on the way out
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """End a reader process: with no more jobs it exits by itself; one still reading is asked
+    to stop (SIGTERM: it kills its pipe commands on the way out), then killed."""
+    try:
+        child.stdin.close()
+    except OSError:  # pragma: no cover - it is gone already
+        pass
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(_STOP_S)
+        except subprocess.TimeoutExpired:  # pragma: no cover - a process ignoring SIGTERM
+            stop_group(child)
+    child.wait()
+
+
+def _read_exact(stream: IO[bytes], size: int) -> Optional[bytearray]:
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = stream.readinto(view[got:])
+        if not n:
+            return None
+        got += n
+    return buf
+
+
+class ProcessReader:
+    """Runs one reader process per thread of ``reader`` (``run`` is the thread's target)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+        self.config = _config(reader.options)
+
+    def run(self) -> None:
+        from fleetx.data.readers import Abandoned
+        index = None
+        with tempfile.TemporaryFile() as err:
+            try:
+                child = subprocess.Popen([sys.executable, "-c", _BOOT, self.config],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, start_new_session=True)
+            except BaseException as exc:  # no process: the next file reports it
+                if (index := self.reader.take()) is not None:
+                    self.reader.failed(index, exc)
+                return
+            self.reader.add(child, _ask_to_stop)
+            try:
+                while (index := self.reader.take()) is not None:
+                    path = self.reader.files[index]
+                    child.stdin.write((json.dumps([index, path]) + "\n").encode())
+                    child.stdin.flush()
+                    if not self._receive(child, index, path, err):
+                        return
+            except Abandoned:
+                return
+            except BrokenPipeError:
+                self.reader.failed(index, self._died(child, path, err))
+            except BaseException as exc:  # handed to the dataset, raised there
+                self.reader.failed(index, exc)
+            finally:
+                self.reader.discard(child)
+                _stop(child)
+
+    def _receive(self, child: subprocess.Popen, index: int, path: str, err: IO[bytes]) -> bool:
+        """Frames of file ``index`` until it is done (True) or failed (False)."""
+        emit = self.reader.emitter(index)
+        while True:
+            header = _read_exact(child.stdout, _HEADER.size)
+            if header is None:
+                self.reader.failed(index, self._died(child, path, err))
+                return False
+            magic, kind, got, value, size = _HEADER.unpack(header)
+            payload = _read_exact(child.stdout, size) if size else bytearray()
+            if magic != _MAGIC or got != index or payload is None:
+                self.reader.failed(index, DataError(f"reading {path}: the reader process sent "
+                                                    f"a malformed frame"))
+                return False
+            if kind == _CHUNK:
+                emit(SampleBlock.unpack(self.reader.options.slots, np.frombuffer(payload,
+                                                                                 np.uint8),
+                                        f"the reader process of {path}"), value)
+            elif kind == _DONE:
+                self.reader.done(index, value)
+                return True
+            else:
+                self.reader.failed(index, _error_from(bytes(payload), path))
+                return False
+
+    @staticmethod
+    def _died(child: subprocess.Popen, path: str, err: IO[bytes]) -> DataError:
+        status = child.wait()
+        err.seek(0)
+        tail = err.read()[-2000:].decode(errors="replace").strip() or "(nothing on stderr)"
+        return DataError(f"the reader process reading {path} exited with status {status}; "
+                         f"its stderr ends with:\n{tail}")
