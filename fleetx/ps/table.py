@@ -122,7 +122,7 @@ class SparseTable:
         ids = self._check(ids)
         rows = self._rows(ids)
         slab = self._slab.array
-        slab[rows, :self.dim] = np.asarray(values, np.float32).reshape(len(ids), -1)
+        slab[rows, :self.dim] = np.asarray(values, np.float32).reshape(len(ids), self.dim)
         state = slab[rows, self.dim:]
         self.rule.init_state(state, self.dim)
         slab[rows, self.dim:] = state
