@@ -205,6 +205,14 @@ class RuntimeCalls:
             return self._collective_note("save_persistables")
         runtime.save_persistables(dirname, *args, **kwargs)
 
+    def save_inference_model(self, dirname: str, *args: Any, **kwargs: Any) -> None:
+        """Parameter server: export the model for serving to ``dirname`` (a plain
+        ``state_dict`` and ``.npy`` tables, readable without fleetx; ``docs/ps_tables.md``)."""
+        runtime = self._runtime("save_inference_model")
+        if runtime is None:
+            return self._collective_note("save_inference_model")
+        runtime.save_inference_model(dirname, *args, **kwargs)
+
     def shrink(self, threshold: Optional[int] = None) -> Optional[dict]:
         """Parameter server: end a pass on every server (every worker calls it): decay
         show/click, delete rows unseen too long or scoring too low, forget pending ids (see

@@ -118,6 +118,8 @@ def save_server(writer: SaveWriter, index: int, num_servers: int, shard_num: int
     Raises:
         CheckpointError: a table holds NaN or inf, or a file cannot be written.
     """
+    if mode == "export":  # serving takes the dense weights from the worker's state_dict
+        dense = {}
     for name, t in {**sparse, **dense}.items():
         _refuse_nonfinite(name, t.slab)
     with_state = mode == 0 or (mode == 2 and chain.state)

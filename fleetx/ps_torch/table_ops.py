@@ -134,3 +134,30 @@ class TableCalls:
         report = self.table_stats()
         print(format_table_stats(report), flush=True)
         return report
+
+    def save_inference_model(self, dirname: str, feeded_var_names: Any = None,
+                             target_vars: Any = None, main_program: Any = None,
+                             export_for_deployment: bool = True, mode: int = 0) -> None:
+        """Export the model for serving (``fleet.save_inference_model``): on the first worker,
+        the dense ``state_dict`` as ``model.pt`` (with the whole weight of every table that
+        came from an ``nn.Embedding``) and every sparse table's ids and weights as ``.npy``
+        parts, readable without fleetx (:mod:`fleetx.ps_torch.export`); other workers do
+        nothing. ``feeded_var_names``, ``target_vars``, ``main_program`` and
+        ``export_for_deployment`` have no effect: a torch model has no feed or fetch
+        variables, and the export holds the whole model.
+
+        Raises:
+            ValueError: ``mode`` other than 0.
+            StateError: on a server, or before ``init_worker``.
+            fleetx.checkpoint.CheckpointError: a file or the commit cannot be written.
+        """
+        if mode != 0:
+            raise ValueError(f"save_inference_model(mode={mode!r}): only 0 (weights) is "
+                             "exported; use save_persistables(dirname, mode) for checkpoints")
+        session = self._worker_only("save_inference_model", "the first worker exports")
+        if self.index != 0:
+            return
+        from fleetx.ps_torch.export import describe, export  # torch-facing: loaded on use
+        doc = export(session, self.layout, self.model, dirname)
+        print(f"fleetx ps worker 0: exported to {os.path.abspath(dirname)} ({describe(doc)})",
+              flush=True)
