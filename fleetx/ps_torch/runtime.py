@@ -41,6 +41,7 @@ from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.progress import CountedModel, Progress
 from fleetx.ps.server import run_server
+from fleetx.ps.shard import check_growth
 from fleetx.ps_torch import saving
 from fleetx.ps_torch.table_ops import TableCalls
 from fleetx.ps_torch.worker import make_communicator
@@ -169,6 +170,8 @@ class PSRuntime(TableCalls):
         self.is_server, self.index = is_server, index
         self.comm = comm or CommunicatorConfig()
         self.layout = ModelLayout.of(model, optimizer) if model is not None else None
+        if config is not None and self.layout is not None:  # every role fails at once
+            check_growth(self.layout.tables, config.mode)
         self.progress = Progress(index, log_interval)
         self.optimizer = PSOptimizer(self)
         self._session: Any = None

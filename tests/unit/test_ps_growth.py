@@ -228,3 +228,73 @@ def test_growth_settings_are_checked():
     assert SparseTableSpec("t", 4, RuleConfig("sgd"), entry=ShowClickEntry()).accessor == \
         AccessorConfig()
     assert ADMITTED > 2 ** 20  # above any count_filter
+
+
+def test_geo_mode_refuses_entries_naming_the_table():
+    from fleetx.ps.api import PSConfig, Tables
+    from fleetx.ps.shard import Shard
+    cfg = PSConfig(["127.0.0.1:1"], 1, mode="geo")
+    spec = SparseTableSpec("clicks", DIM, RuleConfig("sgd"), entry=CountFilterEntry(2))
+    with pytest.raises(PSConfigError, match=r"sparse table 'clicks': entry=CountFilterEntry"
+                                            r"\(\.\.\.\) needs sync or async mode"):
+        Shard(cfg, 0, Tables((spec,)))
+    evicting = SparseTableSpec("e", DIM, RuleConfig("sgd"), accessor=AccessorConfig())
+    assert Shard(cfg, 0, Tables((evicting,))).sparse["e"].stats is not None
+
+
+def test_a_sync_round_sums_show_and_click_and_averages_gradients():
+    from fleetx.ps.api import PSConfig, Tables
+    from fleetx.ps.requests import Push
+    from fleetx.ps.shard import Shard
+    spec = SparseTableSpec("t", 2, RuleConfig("sgd", lr=1.0), InitConfig("constant"),
+                           entry=ShowClickEntry())
+    shard = Shard(PSConfig(["127.0.0.1:1"], 2, mode="sync"), 0, Tables((spec,)))
+    ids = np.array([5], np.int64)
+    shard.apply_mean([Push([("t", ids, np.array([[2.0, 4.0, 1.0, 1.0]], np.float32))], [], []),
+                      Push([("t", ids, np.array([[4.0, 8.0, 1.0, 0.0]], np.float32))], [], [])])
+    t = shard.sparse["t"]
+    np.testing.assert_array_equal(t.pull(ids, create=False), [[-3.0, -6.0]])  # mean gradient
+    assert t.row_stats(ids).tolist() == [[2.0, 1.0, 0.0]]  # summed show and click
+
+
+def test_sparse_embedding_feeds_show_and_click_per_id():
+    import torch
+    from fleetx.nn import SparseEmbedding
+    from fleetx.ps.api import Tables
+    from fleetx.ps_torch.layout import LocalSparseBackend
+    emb = SparseEmbedding(DIM, name="t", entry=ShowClickEntry("show", "click"))
+    plain = SparseEmbedding(DIM, name="p")
+    backend = LocalSparseBackend(Tables((SparseTableSpec("t", DIM, RuleConfig("sgd"),
+                                                         entry=ShowClickEntry()),
+                                         SparseTableSpec("p", DIM, RuleConfig("sgd")))))
+    emb.bind(backend)
+    plain.bind(backend)
+    ids = torch.tensor([[3, 9], [3, 3]])
+    out = emb(ids, show=torch.ones(2, 1), click=torch.tensor([[1.0], [0.0]]))
+    out.sum().backward()
+    (got_ids, grads), = emb.pop_gradients()
+    assert got_ids.tolist() == [3, 9]
+    assert grads[:, DIM:].tolist() == [[3.0, 1.0], [1.0, 1.0]]  # show, click summed per id
+    assert grads[:, :DIM].tolist() == [[3.0] * DIM, [1.0] * DIM]
+    with pytest.raises(ValueError, match=r"table 't' keeps show/click statistics \(entry="
+                                         r"ShowClickEntry\): pass show= and click="):
+        emb(ids)
+    with pytest.raises(ValueError, match="table 'p' has no ShowClickEntry"):
+        plain(ids, show=torch.ones(2, 1), click=torch.ones(2, 1))
+    emb.eval()
+    with torch.no_grad():
+        emb(ids)  # evaluation lookups need no show or click
+
+
+def test_an_export_is_not_a_checkpoint(tmp_path):
+    from fleetx.checkpoint import CheckpointError, SaveWriter
+    from fleetx.ps.chain import open_chain
+    from fleetx.ps.checkpoint import save_server
+    t = table()
+    t.pull(np.arange(3))
+    writer = SaveWriter(tmp_path / "x")
+    save_server(writer, 0, 1, 1, {"t": t}, {}, "export")
+    writer.commit({"mode": "export"})
+    with pytest.raises(CheckpointError, match=r"an export for serving \(save_inference_model\), "
+                                              r"not a checkpoint"):
+        open_chain(str(tmp_path / "x"))
