@@ -1,5 +1,6 @@
 """Score an export of ``ps_export_train.py`` the way a serving team would: plain torch and
-numpy, with fleetx made impossible to import. Prints the scores of the fixed batch as JSON.
+numpy, with fleetx made impossible to import, through the loader printed in
+``docs/ps_tables.md`` (run from the page itself). Prints the scores of the fixed batch as JSON.
 
 Usage: python serve_export.py EXPORT_DIR
 """
@@ -37,25 +38,13 @@ class Net(nn.Module):
         return self.mlp(torch.cat([self.emb(ids), user_rows, x], 1)).squeeze(1)
 
 
-def load(export_dir: Path):
-    folder = export_dir / json.loads((export_dir / "manifest.json").read_text())["folder"]
-    desc = json.loads((folder / "export.json").read_text())
-    model = Net()
-    model.load_state_dict(torch.load(folder / desc["state_dict"], weights_only=True))
-    tables = {}
-    for name, t in desc["sparse"].items():
-        ids = np.concatenate([np.load(folder / p["ids"]) for p in t["parts"]])
-        rows = np.concatenate([np.load(folder / p["rows"]) for p in t["parts"]])
-        order = np.argsort(ids)
-        tables[name] = (ids[order], rows[order])
-    return model.eval(), tables
-
-
-def lookup(table, wanted: np.ndarray) -> np.ndarray:
-    ids, rows = table
-    pos = np.searchsorted(ids, wanted)
-    assert (ids[pos] == wanted).all(), "an id of the batch is not in the export"
-    return rows[pos]
+def doc_loader() -> dict:
+    """The loader code block of docs/ps_tables.md, run: its ``load_export`` and ``lookup``."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "ps_tables.md").read_text()
+    block = page.split("<!-- export-loader:", 1)[1].split("```python\n", 1)[1]
+    namespace: dict = {}
+    exec(compile(block.split("```", 1)[0], "docs/ps_tables.md", "exec"), namespace)
+    return namespace
 
 
 def main() -> None:
@@ -65,12 +54,17 @@ def main() -> None:
         pass
     else:
         raise SystemExit("fleetx imported: the check is void")
-    model, tables = load(Path(sys.argv[1]))
+    loader = doc_loader()
+    state, tables = loader["load_export"](Path(sys.argv[1]))
+    model = Net()
+    model.load_state_dict(state)
+    model.eval()
     g = torch.Generator().manual_seed(100)  # the batch of ps_export_train.batch(100)
     ids = torch.randint(0, 30, (16,), generator=g)
     users = torch.tensor(USERS)[torch.randint(0, len(USERS), (16,), generator=g)]
     x = torch.rand(16, 3, generator=g)
-    user_rows = torch.from_numpy(lookup(tables["user"], users.numpy()))
+    assert np.isin(users.numpy(), tables["user"][0]).all(), "a user id is not in the export"
+    user_rows = torch.from_numpy(loader["lookup"](tables["user"], users.numpy()))
     with torch.no_grad():
         print(json.dumps(model(ids, user_rows, x).tolist()))
 
