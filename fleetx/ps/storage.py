@@ -33,6 +33,24 @@ def _bytes_for(rows: int, row_bytes: int) -> int:
     return max(_PAGE, -(-rows * row_bytes // _PAGE) * _PAGE)
 
 
+def _huge_pages(m: mmap.mmap) -> None:
+    """Ask for transparent huge pages, as numpy does for its large arrays: rows are read at
+    random, and with 4 KiB pages most reads of a large table would also miss the TLB. A page
+    is still only backed once touched (2 MiB at a time, so at most that much per array)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            m.madvise(advice)
+        except OSError:  # a kernel without transparent huge pages
+            pass
+
+
+def _mapping(size: int) -> mmap.mmap:
+    m = mmap.mmap(-1, size, flags=_FLAGS)
+    _huge_pages(m)
+    return m
+
+
 class RowArray:
     """A ``(capacity, width)`` array (1-D when ``width`` is None) whose capacity grows in place.
 
@@ -48,7 +66,7 @@ class RowArray:
     def __init__(self, width: Optional[int], dtype, rows: int = 0) -> None:
         self.width, self.dtype = width, np.dtype(dtype)
         self.row_bytes = self.dtype.itemsize * (width or 1)
-        self._map = mmap.mmap(-1, _bytes_for(rows, self.row_bytes), flags=_FLAGS)
+        self._map = _mapping(_bytes_for(rows, self.row_bytes))
         self.array = self._view()
 
     @property
@@ -72,9 +90,10 @@ class RowArray:
         self.array = None  # drop our own view, or the mapping cannot move
         try:
             self._map.resize(size)
+            _huge_pages(self._map)
         except (BufferError, OSError, ValueError):  # a view is alive elsewhere: copy instead
             old = self._view()
-            new = mmap.mmap(-1, size, flags=_FLAGS)
+            new = _mapping(size)
             fresh = self._view(new)
             fresh[:used] = old[:used]
             del old, fresh
