@@ -221,3 +221,15 @@ def test_manifest_info_must_agree_with_the_server_folders(chain):
     with pytest.raises(CheckpointError, match=rf"{base}/manifest.json: its info .* disagrees "
                                               r"with the server folders \(mode 1"):
         Job(load=str(base))
+
+
+@pytest.mark.parametrize("name", ["sparse-emb.deleted.npy", "sparse-emb.keys.npy",
+                                  "meta.json"])
+def test_a_damaged_file_of_a_delta_is_refused_naming_it(chain, name):
+    _, dirs, _ = chain
+    path = next(dirs[1].glob("save-*")) / "server-1-of-2" / name
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"checksum mismatch: {path} has SHA-256"):
+        Job(load=[str(d) for d in dirs])
