@@ -10,7 +10,7 @@ verified by any other.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 __all__ = ["CheckpointError", "FileEntry", "Manifest", "MANIFEST", "FORMAT", "check_save_id",
@@ -90,9 +90,12 @@ class FileEntry:
 @dataclass(frozen=True)
 class Manifest:
     """A committed save: its id, the folder holding its files (relative to the checkpoint
-    folder) and every file's entry."""
+    folder), every file's entry, and ``info``: a JSON object the writer describes the save with
+    (e.g. the parameter server's save mode and the save a delta builds on; empty by default,
+    covered by the manifest's own hash)."""
 
     save_id: str
     folder: str
     files: Mapping[str, FileEntry]
     created: str = ""
+    info: Mapping[str, Any] = field(default_factory=dict)

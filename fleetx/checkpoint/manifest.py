@@ -152,9 +152,10 @@ class SaveWriter:
         for e in entries:
             self.entries[check_relpath(e.path)] = e
 
-    def commit(self) -> Manifest:
+    def commit(self, info: Optional[dict] = None) -> Manifest:
         """Make this save the checkpoint: check every file is there with its size, write the
-        manifest and rename it over the previous one, then remove older saves.
+        manifest (with ``info``, a JSON object describing the save) and rename it over the
+        previous one, then remove older saves.
 
         Raises:
             CheckpointError: a file is missing or has another size than recorded.
@@ -169,7 +170,7 @@ class SaveWriter:
         for root, _, _ in os.walk(self.folder):
             _fsync_dir(root)  # the renames into place are on disk before the manifest names them
         manifest = Manifest(self.save_id, _PREFIX + self.save_id, dict(self.entries),
-                            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), dict(info or {}))
         write_manifest(self.dirname, manifest)
         self._remove_older()
         return manifest
@@ -198,6 +199,8 @@ def write_manifest(dirname: str, manifest: Manifest) -> None:
     body = {"format": FORMAT, "save_id": manifest.save_id, "folder": manifest.folder,
             "created": manifest.created,
             "files": {k: e.to_json() for k, e in sorted(manifest.files.items())}}
+    if manifest.info:  # absent when empty: manifests without it read (and hash) as before
+        body["info"] = dict(manifest.info)
     body["manifest_sha256"] = _manifest_digest(body)
     path = os.path.join(dirname, MANIFEST)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -241,7 +244,10 @@ def _read_manifest(dirname: str) -> Manifest:
     if body.get("folder") != _PREFIX + save_id or not isinstance(body.get("files"), dict):
         raise CheckpointError(f"{path}: malformed manifest (folder {body.get('folder')!r})", path)
     files = {k: FileEntry.from_json(k, v) for k, v in body["files"].items()}
-    return Manifest(save_id, body["folder"], files, str(body.get("created", "")))
+    info = body.get("info", {})
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{path}: malformed manifest ('info' is not an object)", path)
+    return Manifest(save_id, body["folder"], files, str(body.get("created", "")), info)
 
 
 class Checkpoint:

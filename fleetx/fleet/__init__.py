@@ -91,6 +91,10 @@ init_server = _fleet.init_server
 run_server = _fleet.run_server
 stop_worker = _fleet.stop_worker
 save_persistables = _fleet.save_persistables
+save_inference_model = _fleet.save_inference_model
+shrink = _fleet.shrink
+table_stats = _fleet.table_stats
+print_table_stat = _fleet.print_table_stat
 _final_strategy = _fleet._final_strategy
 _get_applied_meta_list = _fleet._get_applied_meta_list
 _get_applied_graph_list = _fleet._get_applied_graph_list
@@ -136,7 +140,8 @@ __all__ = [
     "applied_strategies",
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
     "init_worker", "init_server", "run_server", "stop_worker", "save_persistables",
-    "save_checkpoint", "load_checkpoint",
+    "save_inference_model", "shrink", "table_stats", "print_table_stat", "save_checkpoint",
+    "load_checkpoint",
     "MultiSlotDataGenerator", "MultiSlotStringDataGenerator", "DatasetBase", "InMemoryDataset",
     "QueueDataset", "DatasetFactory",
 ]

@@ -204,3 +204,34 @@ class RuntimeCalls:
         if runtime is None:
             return self._collective_note("save_persistables")
         runtime.save_persistables(dirname, *args, **kwargs)
+
+    def save_inference_model(self, dirname: str, *args: Any, **kwargs: Any) -> None:
+        """Parameter server: export the model for serving to ``dirname`` (a plain
+        ``state_dict`` and ``.npy`` tables, readable without fleetx; ``docs/ps_tables.md``)."""
+        runtime = self._runtime("save_inference_model")
+        if runtime is None:
+            return self._collective_note("save_inference_model")
+        runtime.save_inference_model(dirname, *args, **kwargs)
+
+    def shrink(self, threshold: Optional[int] = None) -> Optional[dict]:
+        """Parameter server: end a pass on every server (every worker calls it): decay
+        show/click, delete rows unseen too long or scoring too low, forget pending ids (see
+        ``docs/ps_tables.md``). Returns what went, per table, on worker 0."""
+        runtime = self._runtime("shrink")
+        if runtime is None:
+            return self._collective_note("shrink")
+        return runtime.shrink(threshold)
+
+    def table_stats(self) -> Optional[dict]:
+        """Parameter server: the memory report (rows and bytes per table and server)."""
+        runtime = self._runtime("table_stats")
+        if runtime is None:
+            return self._collective_note("table_stats")
+        return runtime.table_stats()
+
+    def print_table_stat(self) -> Optional[dict]:
+        """Parameter server: print the memory report on this worker, and return it."""
+        runtime = self._runtime("print_table_stat")
+        if runtime is None:
+            return self._collective_note("print_table_stat")
+        return runtime.print_table_stat()

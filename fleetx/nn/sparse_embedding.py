@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fleetx.nn.deferred import DeferredRows
-from fleetx.ps.api import InitConfig, RuleConfig
+from fleetx.ps.api import AccessorConfig, InitConfig, RuleConfig, ShowClickEntry
 
 __all__ = ["SparseEmbedding", "SparseEmbeddingBag"]
 
@@ -42,9 +42,20 @@ class SparseEmbedding(nn.Module):
         rule: the server-side update rule; default: taken from the optimizer.
         num_embeddings: bound the ids to ``[0, num_embeddings)`` (set by :meth:`from_embedding`).
         padding_idx: rows of this id get no gradient (as in ``nn.Embedding``).
+        entry: how ids get rows, Paddle's ``sparse_embedding(entry=...)``:
+            :class:`~fleetx.ps.api.CountFilterEntry` (after ``n`` training lookups),
+            :class:`~fleetx.ps.api.ProbabilityEntry` (with probability ``p`` per lookup), or
+            :class:`~fleetx.ps.api.ShowClickEntry` (every id, with show/click statistics fed
+            by ``forward(ids, show=..., click=...)``). Default: every id on first touch.
+        accessor: when rows are decayed and deleted at ``fleet.shrink()``
+            (:class:`~fleetx.ps.api.AccessorConfig`); default: never (no per-row statistics).
+
+    Raises:
+        fleetx.ps.PSConfigError: ``entry`` or ``accessor`` is not one of those types.
 
     Example:
-        >>> emb = SparseEmbedding(16, name="user")
+        >>> emb = SparseEmbedding(16, name="user", entry=CountFilterEntry(3),
+        ...                       accessor=AccessorConfig(delete_after_unseen_days=7))
         >>> emb.bind(backend)                       # doctest: +SKIP
         >>> out = emb(torch.tensor([[3, 2 ** 40]]))  # doctest: +SKIP
     """
@@ -54,7 +65,8 @@ class SparseEmbedding(nn.Module):
 
     def __init__(self, embedding_dim: int, *, name: Optional[str] = None,
                  init: Optional[InitConfig] = None, rule: Optional[RuleConfig] = None,
-                 num_embeddings: Optional[int] = None, padding_idx: Optional[int] = None) -> None:
+                 num_embeddings: Optional[int] = None, padding_idx: Optional[int] = None,
+                 entry: Any = None, accessor: Optional[AccessorConfig] = None) -> None:
         super().__init__()
         self.embedding_dim = embedding_dim
         self.table_name = name
@@ -62,6 +74,7 @@ class SparseEmbedding(nn.Module):
         self.rule = rule
         self.num_embeddings = num_embeddings
         self.padding_idx = padding_idx
+        self.entry, self.accessor = entry, accessor
         self.initial_weight: Optional[torch.Tensor] = None  # from_embedding: worker 0 assigns it
         self.param_group: Optional[int] = None  # from_embedding: the weight's optimizer group
         self._backend: Any = None
@@ -90,13 +103,44 @@ class SparseEmbedding(nn.Module):
         """Serve lookups from ``backend`` (``lookup(table, ids)``)."""
         self._backend = backend
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._lookup(ids, tuple(ids.shape) + (self.embedding_dim,),
-                            lambda rows, leaf: self._expand(rows, leaf, ids))
+    def forward(self, ids: torch.Tensor, show: Optional[torch.Tensor] = None,
+                click: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Rows of ``ids`` (any shape). ``show`` / ``click``: for a table with a
+        :class:`~fleetx.ps.api.ShowClickEntry`, each occurrence's show and click (tensors that
+        broadcast to ``ids``' shape, e.g. ``(batch, 1)``: one value per sample), required in
+        training lookups and summed per id into the rows' statistics.
 
-    def _lookup(self, ids: torch.Tensor, out_shape: tuple, build: Any) -> torch.Tensor:
+        Raises:
+            ValueError: show/click missing in a training lookup of a show/click table, or given
+                to another table.
+        """
+        counts = self._show_click(ids, show, click, lambda v: v.expand(ids.shape))
+        return self._lookup(ids, tuple(ids.shape) + (self.embedding_dim,),
+                            lambda rows, leaf: self._expand(rows, leaf, ids), counts)
+
+    def _show_click(self, ids: torch.Tensor, show, click, spread) -> Optional[np.ndarray]:
+        """``(len(ids.view(-1)), 2)`` float32 show and click per occurrence, or None."""
+        wanted = isinstance(self.entry, ShowClickEntry)
+        if show is None and click is None:
+            if wanted and self.training and torch.is_grad_enabled():
+                raise ValueError(f"table {self.table_name!r} keeps show/click statistics "
+                                 f"(entry=ShowClickEntry): pass show= and click= to its training "
+                                 f"lookups, e.g. emb(ids, show=torch.ones(batch, 1), "
+                                 f"click=label.view(-1, 1))")
+            return None
+        if not wanted:
+            raise ValueError(f"table {self.table_name!r} has no ShowClickEntry: show= and click= "
+                             "are only taken by tables built with entry=ShowClickEntry(...)")
+        if show is None or click is None:
+            raise ValueError(f"table {self.table_name!r}: pass both show= and click=")
+        pair = [spread(torch.as_tensor(v, dtype=torch.float32).detach().cpu()).reshape(-1)
+                for v in (show, click)]
+        return torch.stack(pair, 1).numpy()
+
+    def _lookup(self, ids: torch.Tensor, out_shape: tuple, build: Any,
+                counts: Optional[np.ndarray] = None) -> torch.Tensor:
         """Fetch the rows of ``ids`` and ``build(rows, leaf)`` the output, now or (with a
-        batching backend) at its first use."""
+        batching backend) at its first use; ``counts``: show and click per occurrence."""
         if self._backend is None or self.table_name is None:
             raise RuntimeError(f"SparseEmbedding {self.table_name!r} is not bound to a table; lay "
                                "the model out with fleetx.ps_torch.layout.ModelLayout and bind a backend")
@@ -107,12 +151,15 @@ class SparseEmbedding(nn.Module):
         backend, table = self._backend, self.table_name
 
         def produce() -> torch.Tensor:
-            rows = backend.lookup(table, flat)
+            rows = backend.lookup(table, flat, create=track)
             leaf = torch.from_numpy(np.ascontiguousarray(rows.values, np.float32))
             with torch.set_grad_enabled(track):
                 if track:
                     leaf.requires_grad_(True)
-                    self._pending.append((rows.ids, leaf))
+                    per_id = None if counts is None else np.stack(
+                        [np.bincount(rows.inverse, counts[:, c], len(rows.ids))
+                         for c in (0, 1)], 1).astype(np.float32)
+                    self._pending.append((rows.ids, leaf, per_id))
                 return build(rows, leaf).to(ids.device)
 
         if hasattr(backend, "defer"):
@@ -125,14 +172,17 @@ class SparseEmbedding(nn.Module):
         return leaf.index_select(0, inverse).view(*ids.shape, self.embedding_dim)
 
     def pop_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
-        """``(unique ids, their summed gradients)`` of every lookup since the last call."""
+        """``(unique ids, their summed gradients)`` of every lookup since the last call; for a
+        show/click table each row is followed by the id's show and click sums."""
         out = []
-        for ids, leaf in self._pending:
+        for ids, leaf, counts in self._pending:
             if leaf.grad is None:
                 continue
             grad = leaf.grad.numpy()
             if self.padding_idx is not None:
                 grad = np.where((ids == self.padding_idx)[:, None], 0.0, grad).astype(np.float32)
+            if counts is not None:
+                grad = np.hstack([grad, counts]).astype(np.float32)
             out.append((ids, grad))
         self._pending.clear()
         return out
@@ -173,16 +223,31 @@ class SparseEmbeddingBag(SparseEmbedding):
         return {"mode": emb.mode, "include_last_offset": emb.include_last_offset}
 
     def forward(self, ids: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+                per_sample_weights: Optional[torch.Tensor] = None,
+                show: Optional[torch.Tensor] = None,
+                click: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """As ``nn.EmbeddingBag``; ``show`` / ``click`` (show/click tables): one value per bag
+        (shape ``(bags,)`` or ``(bags, 1)``), counted for every id of the bag."""
         if ids.dim() == 2:
             bags = ids.shape[0]
         elif offsets is None:
             raise ValueError("SparseEmbeddingBag: 1-D ids need offsets")
         else:
             bags = offsets.shape[0] - (1 if self.include_last_offset else 0)
+        counts = self._show_click(ids, show, click,
+                                  lambda v: self._per_id(v.reshape(-1), ids, offsets))
         return self._lookup(ids, (bags, self.embedding_dim),
                             lambda rows, leaf: self._bag(rows, leaf, ids, offsets,
-                                                         per_sample_weights))
+                                                         per_sample_weights), counts)
+
+    def _per_id(self, per_bag: torch.Tensor, ids: torch.Tensor,
+                offsets: Optional[torch.Tensor]) -> torch.Tensor:
+        """A value per bag, repeated for every id of its bag."""
+        if ids.dim() == 2:
+            return per_bag.view(-1, 1).expand(ids.shape)
+        starts = offsets.cpu()[:len(per_bag)]
+        ends = torch.cat([starts[1:], torch.tensor([ids.numel()])])
+        return per_bag.repeat_interleave(ends - starts)
 
     def _bag(self, rows: Any, leaf: torch.Tensor, ids: torch.Tensor,
              offsets: Optional[torch.Tensor], weights: Optional[torch.Tensor]) -> torch.Tensor:

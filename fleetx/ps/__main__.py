@@ -1,6 +1,7 @@
 """Run one parameter server from the command line.
 
-    python -m fleetx.ps serve --cluster cluster.json --index 0 [--load DIR] [--save-root DIR]
+    python -m fleetx.ps serve --cluster cluster.json --index 0 [--load DIR[,DELTA...]]
+                              [--save-root DIR]
                               [--log-level INFO]
 
 ``cluster.json`` holds ``{"config": PSConfig fields, "tables": Tables.to_json() object}``. The
@@ -27,7 +28,8 @@ def main(argv=None) -> int:
     serve = sub.add_parser("serve", help="run one parameter server")
     serve.add_argument("--cluster", required=True, help="JSON file: config and tables")
     serve.add_argument("--index", type=int, required=True, help="this server's index")
-    serve.add_argument("--load", default=None, help="checkpoint folder to start from")
+    serve.add_argument("--load", default=None, help="checkpoint folder to start from, or "
+                       "base,delta,... (a chain, replayed in order)")
     serve.add_argument("--save-root", default=None,
                        help="folder SAVE requests and --load are confined to (default: the "
                        "cluster file's save_root, else the working directory)")
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
                                               if args.save_root else {}), **secret})
     tables = Tables.from_json(json.dumps(spec["tables"]))
     try:
-        server = PSServer(config, args.index, tables, load_dir=args.load).start()
+        load = args.load.split(",") if args.load and "," in args.load else args.load
+        server = PSServer(config, args.index, tables, load_dir=load).start()
         print(f"listening {server.endpoint}", flush=True)
         server.run()
     except (PSError, CheckpointError) as e:

@@ -10,8 +10,8 @@
  *   adagrad  [w(dim) | sum(dim)]
  *   adam     [w(dim) | m(dim) | v(dim) | step]
  *   sum      [w(dim)]                    (GEO: w += delta)
- * Index: int64 slots[2 * cap], pairs (key, row); row == -1 marks an empty slot; cap is a
- * power of two; linear probing from mix64(key + INDEX_SALT) & (cap - 1).
+ * Index: uint32 slots, (tag << rbits) | row, all ones when empty; int64 row_keys[row] = key;
+ * linear probing from a multiply-shift of mix64(key + INDEX_SALT) (see the index section).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -55,10 +55,11 @@ static int get_buf(PyObject *obj, Buf *b, char kind, int writable, const char *w
     const char *f = b->view.format ? b->view.format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
     int ok = (kind == 'i') ? (b->view.itemsize == 8 && (*f == 'q' || *f == 'l'))
+           : (kind == 'u') ? (b->view.itemsize == 4 && (*f == 'I' || *f == 'L'))
                            : (b->view.itemsize == 4 && *f == 'f');
     if (!ok) {
         PyErr_Format(PyExc_TypeError, "%s: expected a contiguous %s array", what,
-                     kind == 'i' ? "int64" : "float32");
+                     kind == 'i' ? "int64" : kind == 'u' ? "uint32" : "float32");
         PyBuffer_Release(&b->view);
         b->held = 0;
         return -1;
@@ -77,111 +78,307 @@ static void release(Buf *b, int n) {
 
 /* ---- index ---------------------------------------------------------------------------- */
 
-/* Checked before any probe: an empty slots array would make mask = 2^64 - 1 (reads far out of
- * bounds) and a capacity that is not a power of two would skip slots. */
-static int check_slots(Py_ssize_t len, const char *fn) {
-    Py_ssize_t cap = len / 2;
-    if (len < 2 || len % 2 || (cap & (cap - 1))) {
-        PyErr_Format(PyExc_ValueError, "%s: slots must hold 2 * capacity int64 entries with the "
-                     "capacity a power of two >= 1; got %zd entries", fn, len);
-        return -1;
-    }
-    return 0;
+/* Slots hold (tag << rbits) | row as uint32, rbits = bit length of the slot count, so a row
+ * number always fits; EMPTY (all ones) can never be a slot's value because rows < slot count
+ * < 2^rbits - 1. The tag is the low 32 - rbits bits of the key's hash: a probe reads the key
+ * (row_keys[row], another cache line) only when the tag matches, so a key costs one slot line
+ * and, on average, little more than its own key line. The home slot is a multiply-shift of
+ * the hash's high half (any slot count works, not only powers of two). */
+#define EMPTY 0xFFFFFFFFu
+#define MAX_SLOTS 0x7FFFFFFF
+
+typedef struct {
+    uint32_t *slots;
+    const int64_t *keys;  /* row_keys: the key of every row */
+    uint64_t cap;         /* slot count */
+    Py_ssize_t nkeys;     /* rows row_keys holds */
+    int rbits;
+    uint32_t rmask;
+} Index;
+
+static inline uint64_t key_hash(int64_t k) { return mix64((uint64_t)k + INDEX_SALT); }
+static inline uint64_t home_of(const Index *ix, uint64_t h) { return ((h >> 32) * ix->cap) >> 32; }
+static inline uint32_t tag_of(const Index *ix, uint64_t h) {
+    return (uint32_t)((h & ((1ULL << (32 - ix->rbits)) - 1)) << ix->rbits);
 }
 
-/* The one probe loop of the index: the slot holding key k, or the first empty slot on its
- * probe path (the caller tells them apart by the slot's row, -1 when empty). Returns -1 when
- * every slot was visited without either: a full table that lacks k. Bounding the loop by the
- * capacity is what keeps a full table from spinning forever with the GIL released. */
-static inline int64_t probe(const int64_t *slots, uint64_t mask, int64_t k) {
-    uint64_t h = mix64((uint64_t)k + INDEX_SALT) & mask;
-    for (uint64_t visited = 0; visited <= mask; visited++, h = (h + 1) & mask)
-        if (slots[2 * h + 1] < 0 || slots[2 * h] == k) return (int64_t)h;
+/* The slot holding k, or the first empty slot of its probe path (*row: -1 then); -1 when every
+ * slot was visited without either (a full index that lacks k), -2 for a slot naming a row
+ * outside row_keys (a damaged index). Bounded by the slot count, so a full index can never
+ * make the loop spin with the GIL released. */
+static inline int64_t probe(const Index *ix, int64_t k, uint64_t h, int64_t *row) {
+    uint64_t i = home_of(ix, h);
+    uint32_t tag = tag_of(ix, h);
+    for (uint64_t visited = 0; visited < ix->cap; visited++) {
+        uint32_t s = ix->slots[i];
+        if (s == EMPTY) { *row = -1; return (int64_t)i; }
+        if ((s & ~ix->rmask) == tag) {
+            int64_t r = (int64_t)(s & ix->rmask);
+            if (r >= ix->nkeys) return -2;
+            if (ix->keys[r] == k) { *row = r; return (int64_t)i; }
+        }
+        if (++i == ix->cap) i = 0;
+    }
     return -1;
 }
 
-static PyObject *index_full(const char *fn, Py_ssize_t cap) {
-    return PyErr_Format(PyExc_ValueError, "%s: the index is full (all %zd slots taken) and a key "
-                        "is absent; grow the slots before inserting", fn, cap);
+/* A software pipeline over the keys of a call: key j + PIPE is hashed and its home slot
+ * requested; the slot of key j + PIPE/2, requested PIPE/2 keys ago, is read and the key of the
+ * row it names requested when the tags match; key j is probed. The memory latency of many keys
+ * overlaps, and a key costs about one slot line plus, on a match, its own key line. */
+#define PIPE 16
+
+static inline void pipeline_start(const Index *ix, const int64_t *keys, Py_ssize_t n,
+                                  uint64_t *h) {
+    for (Py_ssize_t j = 0; j < PIPE && j < n; j++) {
+        h[j] = key_hash(keys[j]);
+        __builtin_prefetch(ix->slots + home_of(ix, h[j]));
+    }
 }
 
-/* index_find(slots, keys, out_rows) -> number of keys not found (their row is -1) */
+static inline void pipeline_step(const Index *ix, const int64_t *keys, Py_ssize_t n,
+                                 Py_ssize_t j, uint64_t *h) {
+    Py_ssize_t mid = j + PIPE / 2;
+    if (mid < n) {
+        uint64_t hm = h[mid % PIPE];
+        uint32_t s = ix->slots[home_of(ix, hm)];
+        if (s != EMPTY && (s & ~ix->rmask) == tag_of(ix, hm) &&
+            (Py_ssize_t)(s & ix->rmask) < ix->nkeys)
+            __builtin_prefetch(ix->keys + (s & ix->rmask));
+    }
+    if (j + PIPE < n) {  /* key j's hash is consumed: its ring place takes key j + PIPE */
+        h[j % PIPE] = key_hash(keys[j + PIPE]);
+        __builtin_prefetch(ix->slots + home_of(ix, h[j % PIPE]));
+    }
+}
+
+static int bit_length(uint64_t x) {
+    int b = 0;
+    while (x) { b++; x >>= 1; }
+    return b;
+}
+
+/* Checked before any probe: an empty slot array would make every probe fail at once and a
+ * slot count past MAX_SLOTS would not leave room for a tag. */
+static int make_index(Index *ix, Buf *slots, Buf *keys, const char *fn) {
+    Py_ssize_t cap = LEN(*slots);
+    if (cap < 1 || cap > MAX_SLOTS) {
+        PyErr_Format(PyExc_ValueError, "%s: slots must hold 1 to %d uint32 entries; got %zd",
+                     fn, MAX_SLOTS, cap);
+        return -1;
+    }
+    ix->slots = (uint32_t *)slots->view.buf;
+    ix->keys = I64(*keys);
+    ix->cap = (uint64_t)cap;
+    ix->nkeys = LEN(*keys);
+    ix->rbits = bit_length((uint64_t)cap);
+    ix->rmask = (uint32_t)((1ULL << ix->rbits) - 1);
+    return 0;
+}
+
+static PyObject *index_error(const char *fn, int64_t code, Py_ssize_t cap) {
+    if (code == -2)
+        return PyErr_Format(PyExc_ValueError, "%s: a slot names a row outside row_keys (a "
+                            "damaged index)", fn);
+    return PyErr_Format(PyExc_ValueError, "%s: the index is full (all %zd slots taken) and a "
+                        "key is absent; grow the slots before inserting", fn, cap);
+}
+
+/* index_find(slots, row_keys, keys, out_rows) -> number of keys not found (their row is -1) */
 static PyObject *index_find(PyObject *self, PyObject *args) {
-    PyObject *o[3];
-    Buf b[3];
-    if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
-    if (get_buf(o[0], &b[0], 'i', 0, "slots") || get_buf(o[1], &b[1], 'i', 0, "keys") ||
-        get_buf(o[2], &b[2], 'i', 1, "out_rows") || check_slots(LEN(b[0]), "index_find")) {
-        release(b, 3);
+    PyObject *o[4];
+    Buf b[4];
+    Index ix;
+    if (!PyArg_ParseTuple(args, "OOOO", &o[0], &o[1], &o[2], &o[3])) return NULL;
+    if (get_buf(o[0], &b[0], 'u', 0, "slots") || get_buf(o[1], &b[1], 'i', 0, "row_keys") ||
+        get_buf(o[2], &b[2], 'i', 0, "keys") || get_buf(o[3], &b[3], 'i', 1, "out_rows") ||
+        make_index(&ix, &b[0], &b[1], "index_find")) {
+        release(b, 4);
         return NULL;
     }
-    Py_ssize_t n = LEN(b[1]), cap = LEN(b[0]) / 2;
-    uint64_t mask = (uint64_t)cap - 1;
-    if (LEN(b[2]) < n) {
-        release(b, 3);
+    Py_ssize_t n = LEN(b[2]), missing = 0;
+    if (LEN(b[3]) < n) {
+        release(b, 4);
         return PyErr_Format(PyExc_ValueError, "index_find: out_rows is shorter than keys");
     }
-    const int64_t *slots = I64(b[0]), *keys = I64(b[1]);
-    int64_t *out = I64(b[2]);
-    Py_ssize_t missing = 0;
-    int full = 0;
+    const int64_t *keys = I64(b[2]);
+    int64_t *out = I64(b[3]), err = 0;
+    uint64_t h[PIPE];
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t h = probe(slots, mask, keys[i]);
-        if (h < 0) { full = 1; break; }
-        out[i] = slots[2 * h + 1];
-        missing += out[i] < 0;
+    pipeline_start(&ix, keys, n, h);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t hj = h[j % PIPE];
+        pipeline_step(&ix, keys, n, j, h);
+        int64_t slot = probe(&ix, keys[j], hj, out + j);
+        if (slot < 0) { err = slot; break; }
+        missing += out[j] < 0;
     }
     Py_END_ALLOW_THREADS
-    release(b, 3);
-    if (full) return index_full("index_find", cap);
+    release(b, 4);
+    if (err) return index_error("index_find", err, (Py_ssize_t)ix.cap);
     return PyLong_FromSsize_t(missing);
 }
 
 /* index_insert(slots, row_keys, keys, out_rows, next_row) -> new next_row.
  * Missing keys get rows next_row, next_row + 1, ... and row_keys[row] = key. Refused (nothing
- * written) unless row_keys and the slots have room for every key to be new; a full table met
- * anyway (slots that hold more keys than next_row says) is an error, not an endless probe. */
+ * written) unless row_keys and the slots have room for every key to be new; a full index met
+ * anyway is an error, not an endless probe. */
 static PyObject *index_insert(PyObject *self, PyObject *args) {
     PyObject *o[4];
     Buf b[4];
     long long next_row;
+    Index ix;
     if (!PyArg_ParseTuple(args, "OOOOL", &o[0], &o[1], &o[2], &o[3], &next_row)) return NULL;
-    if (get_buf(o[0], &b[0], 'i', 1, "slots") || get_buf(o[1], &b[1], 'i', 1, "row_keys") ||
+    if (get_buf(o[0], &b[0], 'u', 1, "slots") || get_buf(o[1], &b[1], 'i', 1, "row_keys") ||
         get_buf(o[2], &b[2], 'i', 0, "keys") || get_buf(o[3], &b[3], 'i', 1, "out_rows") ||
-        check_slots(LEN(b[0]), "index_insert")) {
+        make_index(&ix, &b[0], &b[1], "index_insert")) {
+        release(b, 4);
+        return NULL;
+    }
+    Py_ssize_t n = LEN(b[2]), cap = (Py_ssize_t)ix.cap;
+    if (LEN(b[3]) < n || next_row < 0 || next_row + n > ix.nkeys || next_row + n >= cap) {
+        release(b, 4);
+        return PyErr_Format(PyExc_ValueError, "index_insert: not enough room for %zd keys from "
+                            "row %lld (row_keys holds %zd, the slots %zd, out_rows %zd)", n,
+                            next_row, ix.nkeys, cap, LEN(b[3]));
+    }
+    int64_t *row_keys = I64(b[1]), *out = I64(b[3]), nr = next_row, err = 0;
+    const int64_t *keys = I64(b[2]);
+    uint64_t h[PIPE];
+    ix.nkeys = nr;  /* rows past nr are free: no slot may name them */
+    Py_BEGIN_ALLOW_THREADS
+    pipeline_start(&ix, keys, n, h);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t hj = h[j % PIPE];
+        pipeline_step(&ix, keys, n, j, h);
+        int64_t k = keys[j], row, slot = probe(&ix, k, hj, &row);
+        if (slot < 0) { err = slot; break; }
+        if (row < 0) {
+            ix.slots[slot] = tag_of(&ix, hj) | (uint32_t)nr;
+            row_keys[nr] = k;
+            row = nr++;
+            ix.nkeys = nr;
+        }
+        out[j] = row;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 4);
+    if (err) return index_error("index_insert", err, cap);
+    return PyLong_FromLongLong(nr);
+}
+
+/* index_rebuild(slots, row_keys, n): index rows 0 .. n-1 (distinct keys) in empty slots */
+static PyObject *index_rebuild(PyObject *self, PyObject *args) {
+    PyObject *o[2];
+    Buf b[2];
+    Py_ssize_t n;
+    Index ix;
+    if (!PyArg_ParseTuple(args, "OOn", &o[0], &o[1], &n)) return NULL;
+    if (get_buf(o[0], &b[0], 'u', 1, "slots") || get_buf(o[1], &b[1], 'i', 0, "row_keys") ||
+        make_index(&ix, &b[0], &b[1], "index_rebuild")) {
+        release(b, 2);
+        return NULL;
+    }
+    if (n < 0 || n > ix.nkeys || n >= (Py_ssize_t)ix.cap) {
+        release(b, 2);
+        return PyErr_Format(PyExc_ValueError, "index_rebuild: %zd rows do not fit (row_keys "
+                            "holds %zd, the slots %zd)", n, ix.nkeys, (Py_ssize_t)ix.cap);
+    }
+    int full = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < n && !full; r++) {
+        uint64_t h = key_hash(ix.keys[r]), i = home_of(&ix, h), visited = 0;
+        while (ix.slots[i] != EMPTY && ++visited < ix.cap)
+            if (++i == ix.cap) i = 0;
+        if (ix.slots[i] != EMPTY) full = 1;
+        else ix.slots[i] = tag_of(&ix, h) | (uint32_t)r;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 2);
+    if (full) return index_error("index_rebuild", -1, (Py_ssize_t)ix.cap);
+    Py_RETURN_NONE;
+}
+
+/* index_remove(slots, row_keys, keys) -> keys removed (absent ones are skipped).
+ * Backward-shift deletion: the entries after the freed slot that may move closer to their home
+ * slot do, so that no probe path is cut and no tombstone is left. row_keys is only read. */
+static PyObject *index_remove(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    Buf b[3];
+    Index ix;
+    if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
+    if (get_buf(o[0], &b[0], 'u', 1, "slots") || get_buf(o[1], &b[1], 'i', 0, "row_keys") ||
+        get_buf(o[2], &b[2], 'i', 0, "keys") || make_index(&ix, &b[0], &b[1], "index_remove")) {
+        release(b, 3);
+        return NULL;
+    }
+    Py_ssize_t n = LEN(b[2]), removed = 0;
+    const int64_t *keys = I64(b[2]);
+    int64_t err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < n && !err; j++) {
+        int64_t row, slot = probe(&ix, keys[j], key_hash(keys[j]), &row);
+        if (slot < 0) { err = slot; break; }
+        if (row < 0) continue;
+        uint64_t hole = (uint64_t)slot, i = hole;
+        for (;;) {
+            if (++i == ix.cap) i = 0;
+            uint32_t s = ix.slots[i];
+            if (s == EMPTY) break;
+            if ((Py_ssize_t)(s & ix.rmask) >= ix.nkeys) { err = -2; break; }
+            uint64_t home = home_of(&ix, key_hash(ix.keys[s & ix.rmask]));
+            /* s may fill the hole unless its home lies cyclically in (hole, i] */
+            int stays = hole < i ? (home > hole && home <= i) : (home > hole || home <= i);
+            if (!stays) {
+                ix.slots[hole] = s;
+                hole = i;
+            }
+        }
+        ix.slots[hole] = EMPTY;
+        removed++;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 3);
+    if (err) return index_error("index_remove", err, (Py_ssize_t)ix.cap);
+    return PyLong_FromSsize_t(removed);
+}
+
+/* index_relink(slots, row_keys, keys, rows): the slot of keys[j] names rows[j] from now on
+ * (after the caller moved a row; row_keys still holds each key at its old row). */
+static PyObject *index_relink(PyObject *self, PyObject *args) {
+    PyObject *o[4];
+    Buf b[4];
+    Index ix;
+    if (!PyArg_ParseTuple(args, "OOOO", &o[0], &o[1], &o[2], &o[3])) return NULL;
+    if (get_buf(o[0], &b[0], 'u', 1, "slots") || get_buf(o[1], &b[1], 'i', 0, "row_keys") ||
+        get_buf(o[2], &b[2], 'i', 0, "keys") || get_buf(o[3], &b[3], 'i', 0, "rows") ||
+        make_index(&ix, &b[0], &b[1], "index_relink")) {
         release(b, 4);
         return NULL;
     }
     Py_ssize_t n = LEN(b[2]);
-    Py_ssize_t cap = LEN(b[0]) / 2, rk = LEN(b[1]);
-    if (LEN(b[3]) < n || next_row < 0 || next_row + n > rk || next_row + n > cap) {
+    const int64_t *keys = I64(b[2]), *rows = I64(b[3]);
+    int bad = LEN(b[3]) < n;
+    for (Py_ssize_t j = 0; !bad && j < n; j++) bad = rows[j] < 0 || rows[j] >= ix.nkeys;
+    if (bad) {
         release(b, 4);
-        return PyErr_Format(PyExc_ValueError, "index_insert: not enough room for %zd keys from "
-                            "row %lld (row_keys holds %zd, the slots %zd, out_rows %zd)", n,
-                            next_row, rk, cap, LEN(b[3]));
+        return PyErr_Format(PyExc_ValueError, "index_relink: rows must be one per key and "
+                            "inside row_keys");
     }
-    uint64_t mask = (uint64_t)cap - 1;
-    int64_t *slots = I64(b[0]), *row_keys = I64(b[1]), *out = I64(b[3]);
-    const int64_t *keys = I64(b[2]);
-    int64_t nr = next_row;
-    int full = 0;
+    int64_t err = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t k = keys[i], h = probe(slots, mask, k);
-        if (h < 0) { full = 1; break; }
-        if (slots[2 * h + 1] < 0) {
-            slots[2 * h] = k;
-            slots[2 * h + 1] = nr;
-            row_keys[nr] = k;
-            nr++;
-        }
-        out[i] = slots[2 * h + 1];
+    for (Py_ssize_t j = 0; j < n; j++) {
+        uint64_t h = key_hash(keys[j]);
+        int64_t row, slot = probe(&ix, keys[j], h, &row);
+        if (slot < 0 || row < 0) { err = slot < 0 ? slot : -3; break; }
+        ix.slots[slot] = tag_of(&ix, h) | (uint32_t)rows[j];
     }
     Py_END_ALLOW_THREADS
     release(b, 4);
-    if (full) return index_full("index_insert", cap);
-    return PyLong_FromLongLong(nr);
+    if (err == -3)
+        return PyErr_Format(PyExc_KeyError, "index_relink: a key is not in the index");
+    if (err) return index_error("index_relink", err, (Py_ssize_t)ix.cap);
+    Py_RETURN_NONE;
 }
 
 /* ---- rows ----------------------------------------------------------------------------- */
@@ -403,9 +600,13 @@ static PyObject *apply_sum(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"index_find", index_find, METH_VARARGS, "index_find(slots, keys, out_rows) -> missing"},
+    {"index_find", index_find, METH_VARARGS,
+     "index_find(slots, row_keys, keys, out_rows) -> missing"},
     {"index_insert", index_insert, METH_VARARGS,
      "index_insert(slots, row_keys, keys, out_rows, next_row) -> next_row"},
+    {"index_rebuild", index_rebuild, METH_VARARGS, "index_rebuild(slots, row_keys, n)"},
+    {"index_remove", index_remove, METH_VARARGS, "index_remove(slots, row_keys, keys) -> removed"},
+    {"index_relink", index_relink, METH_VARARGS, "index_relink(slots, row_keys, keys, rows)"},
     {"gather", gather, METH_VARARGS, "gather(slab, width, rows, out, ncols)"},
     {"segment_sum", segment_sum, METH_VARARGS, "segment_sum(out, inverse, values, dim)"},
     {"apply_sgd", apply_sgd, METH_VARARGS,

@@ -30,8 +30,9 @@ __all__ = [
     "PSError", "PSConfigError", "ConfigError", "ProtocolError", "PeerLostError", "RemoteError",
     "PSTimeoutError",
     "StateError", "AuthError", "RequestError", "NONFINITE", "DEFAULT_MAX_FRAME_BYTES",
-    "TRANSPORTS", "RuleConfig", "InitConfig", "SparseTableSpec", "DenseTableSpec", "Tables",
-    "PSConfig", "CommunicatorConfig",
+    "TRANSPORTS", "RuleConfig", "InitConfig", "CountFilterEntry", "ProbabilityEntry",
+    "ShowClickEntry", "AccessorConfig", "DEFAULT_MAX_PENDING", "SparseTableSpec",
+    "DenseTableSpec", "Tables", "PSConfig", "CommunicatorConfig",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -69,6 +70,7 @@ class Kind(enum.IntEnum):
     BARRIER = 8    # answered once every live worker has entered the same barrier
     SAVE = 9       # each server writes its shards to a folder
     STATS = 10     # rows, bytes and request counts of a server
+    SHRINK = 20    # end of a pass: decay show/click, delete rows unseen or scoring too low
 
 
 #: wire dtype code -> numpy dtype string (always little-endian)
@@ -282,6 +284,148 @@ def _check_name(kind: str, name: str) -> None:
              "without '/'")
 
 
+# --------------------------------------------------------------------------------------------
+# Table growth: admission entries (Paddle's ``paddle.distributed.*Entry``) and eviction
+# --------------------------------------------------------------------------------------------
+
+#: ids whose sighting counts one server keeps per table while they wait for admission
+DEFAULT_MAX_PENDING = 1 << 20
+
+
+def _check_pending(kind: str, max_pending: Any) -> None:
+    _require(isinstance(max_pending, int) and not isinstance(max_pending, bool)
+             and 1 <= max_pending <= 1 << 30, f"{kind}.max_pending={max_pending!r}: expected "
+             "an int in [1, 2**30]")
+
+
+@dataclass(frozen=True)
+class CountFilterEntry:
+    """Admission by count: an id gets a row once training lookups saw it ``count_filter``
+    times (Paddle's ``paddle.distributed.CountFilterEntry``).
+
+    Until then a lookup returns zeros and its gradient is dropped. Each training pull request
+    that holds the id counts once; evaluation lookups never count. The counts of ids waiting
+    for admission are kept exactly, for at most ``max_pending`` ids per server (about 22 bytes
+    each); past that, new ids are not counted until a shrink forgets ids unseen for a pass.
+
+    Example:
+        >>> emb = SparseEmbedding(16, entry=CountFilterEntry(3))   # doctest: +SKIP
+    """
+
+    count_filter: int
+    max_pending: int = DEFAULT_MAX_PENDING
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.count_filter, int) and not isinstance(self.count_filter, bool)
+                 and 1 <= self.count_filter <= 1 << 20, f"CountFilterEntry.count_filter="
+                 f"{self.count_filter!r}: expected an int in [1, 2**20]")
+        _check_pending("CountFilterEntry", self.max_pending)
+
+
+@dataclass(frozen=True)
+class ProbabilityEntry:
+    """Admission by chance: each training sighting of an id without a row admits it with
+    probability ``probability`` (Paddle's ``paddle.distributed.ProbabilityEntry``).
+
+    The k-th sighting's draw is a hash of ``(seed, id, k)``: which ids get in does not depend
+    on the number of servers or on the order of requests. Sightings are counted as for
+    :class:`CountFilterEntry` (``max_pending`` ids per server).
+
+    Example:
+        >>> emb = SparseEmbedding(16, entry=ProbabilityEntry(0.1))   # doctest: +SKIP
+    """
+
+    probability: float
+    seed: int = 0
+    max_pending: int = DEFAULT_MAX_PENDING
+
+    def __post_init__(self) -> None:
+        p = self.probability
+        _require(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1,
+                 f"ProbabilityEntry.probability={p!r}: expected a number in (0, 1]")
+        _require(isinstance(self.seed, int) and 0 <= self.seed < 2 ** 63,
+                 f"ProbabilityEntry.seed={self.seed!r}: expected an int in [0, 2**63)")
+        _check_pending("ProbabilityEntry", self.max_pending)
+
+
+@dataclass(frozen=True)
+class ShowClickEntry:
+    """Show/click statistics per row, as Paddle's CTR accessor keeps them (Paddle's
+    ``paddle.distributed.ShowClickEntry``): every id gets a row, and each training lookup
+    passes per-sample ``show`` and ``click`` values (``emb(ids, show=..., click=...)``) that
+    are summed into the row. The table's :class:`AccessorConfig` decays them at each shrink
+    and deletes rows whose score falls below ``delete_threshold``.
+
+    Args:
+        show_name / click_name: names of the inputs (kept for Paddle's signature and shown in
+            the memory report; the values come through the forward call).
+    """
+
+    show_name: str = "show"
+    click_name: str = "click"
+
+    def __post_init__(self) -> None:
+        for f in ("show_name", "click_name"):
+            v = getattr(self, f)
+            _require(isinstance(v, str) and 0 < len(v) <= 200,
+                     f"ShowClickEntry.{f}={v!r}: expected a non-empty string")
+
+
+ENTRIES = {"count_filter": CountFilterEntry, "probability": ProbabilityEntry,
+           "show_click": ShowClickEntry}
+
+
+@dataclass(frozen=True)
+class AccessorConfig:
+    """When rows are decayed and deleted at a shrink (``fleet.shrink()``, one per pass):
+    Paddle's ``ctr_accessor_param``, with its names and defaults (``the_one_ps.py``).
+
+    A row is *seen* in a pass when a training update (push) touched it. At each shrink, show
+    and click are multiplied by ``show_click_decay_rate`` (tables with a
+    :class:`ShowClickEntry`), then a row is deleted when its score
+    ``(show - click) * nonclk_coeff + click * click_coeff`` is below ``delete_threshold``
+    (show/click tables) or when it was not seen in more than ``delete_after_unseen_days``
+    consecutive passes (``CtrCommonAccessor::Shrink``).
+
+    Example:
+        >>> AccessorConfig(delete_after_unseen_days=2).delete_after_unseen_days
+        2
+    """
+
+    nonclk_coeff: float = 0.1
+    click_coeff: float = 1.0
+    show_click_decay_rate: float = 1.0
+    delete_threshold: float = 0.0
+    delete_after_unseen_days: int = 30
+
+    def __post_init__(self) -> None:
+        for f in ("nonclk_coeff", "click_coeff", "delete_threshold"):
+            v = getattr(self, f)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                     f"AccessorConfig.{f}={v!r}: expected a finite number")
+        d = self.show_click_decay_rate
+        _require(isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 1,
+                 f"AccessorConfig.show_click_decay_rate={d!r}: expected a number in [0, 1]")
+        u = self.delete_after_unseen_days
+        _require(isinstance(u, int) and not isinstance(u, bool) and 0 <= u < 1 << 24,
+                 f"AccessorConfig.delete_after_unseen_days={u!r}: expected an int in "
+                 "[0, 2**24)")
+
+
+def _entry_json(entry: Any) -> Optional[dict]:
+    if entry is None:
+        return None
+    kind = next(k for k, cls in ENTRIES.items() if isinstance(entry, cls))
+    return {"kind": kind, **asdict(entry)}
+
+
+def _entry_from_json(d: Any) -> Any:
+    if d is None:
+        return None
+    d = dict(d)
+    return ENTRIES[d.pop("kind")](**d)
+
+
 @dataclass(frozen=True)
 class SparseTableSpec:
     """A sparse table: int64 id -> row of ``dim`` float32 weights plus the rule's state.
@@ -293,6 +437,10 @@ class SparseTableSpec:
         init: how a missing row is created.
         num_embeddings: set for tables that come from ``nn.Embedding(sparse=True)``: ids must be
             in ``[0, num_embeddings)`` and worker 0 assigns the module's own weights at start.
+        entry: admission (:class:`CountFilterEntry`, :class:`ProbabilityEntry`) or show/click
+            statistics (:class:`ShowClickEntry`); None: every id gets a row on first touch.
+        accessor: when rows are decayed and deleted at a shrink; None: never (and no
+            per-row statistics are kept). A :class:`ShowClickEntry` implies the defaults.
     """
 
     name: str
@@ -300,6 +448,8 @@ class SparseTableSpec:
     rule: RuleConfig
     init: InitConfig = field(default_factory=InitConfig)
     num_embeddings: Optional[int] = None
+    entry: Any = None
+    accessor: Optional[AccessorConfig] = None
 
     def __post_init__(self) -> None:
         _check_name("SparseTableSpec", self.name)
@@ -307,6 +457,42 @@ class SparseTableSpec:
                  f"SparseTableSpec({self.name!r}).dim={self.dim!r}: expected an int > 0")
         _require(self.num_embeddings is None or self.num_embeddings > 0,
                  f"SparseTableSpec({self.name!r}).num_embeddings must be > 0")
+        _require(self.entry is None or isinstance(self.entry, tuple(ENTRIES.values())),
+                 f"SparseTableSpec({self.name!r}).entry={self.entry!r}: expected None, "
+                 "CountFilterEntry, ProbabilityEntry or ShowClickEntry")
+        _require(self.accessor is None or isinstance(self.accessor, AccessorConfig),
+                 f"SparseTableSpec({self.name!r}).accessor={self.accessor!r}: expected None or "
+                 "an AccessorConfig")
+        if self.show_click and self.accessor is None:
+            object.__setattr__(self, "accessor", AccessorConfig())
+
+    @property
+    def show_click(self) -> bool:
+        """Rows keep show/click statistics, fed by every push."""
+        return isinstance(self.entry, ShowClickEntry)
+
+    @property
+    def admission(self) -> bool:
+        """Rows are created only for admitted ids (a count or probability entry)."""
+        return isinstance(self.entry, (CountFilterEntry, ProbabilityEntry))
+
+    @property
+    def push_width(self) -> int:
+        """Floats per id in a PUSH: the gradient, then show and click for show/click tables."""
+        return self.dim + (2 if self.show_click else 0)
+
+    def to_json(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "rule": asdict(self.rule), "init": asdict(self.init),
+                "entry": _entry_json(self.entry),
+                "accessor": None if self.accessor is None else asdict(self.accessor)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "SparseTableSpec":
+        acc = d.get("accessor")
+        return cls(**{**d, "rule": RuleConfig(**{**d["rule"], "betas": tuple(d["rule"]["betas"])}),
+                      "init": InitConfig(**d["init"]), "entry": _entry_from_json(d.get("entry")),
+                      "accessor": None if acc is None else AccessorConfig(**acc)})
 
 
 @dataclass(frozen=True)
@@ -345,26 +531,23 @@ class Tables:
                           f"{', '.join(t.name for t in self.sparse + self.dense) or '(none)'}")
 
     def to_json(self) -> str:
-        return json.dumps({"sparse": [asdict(t) for t in self.sparse],
+        return json.dumps({"sparse": [t.to_json() for t in self.sparse],
                            "dense": [asdict(t) for t in self.dense]}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Tables":
         d = json.loads(text)
-
-        def rule(r):
-            return RuleConfig(**{**r, "betas": tuple(r["betas"])})
-
-        return cls(tuple(SparseTableSpec(**{**t, "rule": rule(t["rule"]),
-                                            "init": InitConfig(**t["init"])})
-                         for t in d.get("sparse", ())),
-                   tuple(DenseTableSpec(**{**t, "rule": rule(t["rule"])})
+        return cls(tuple(SparseTableSpec.from_json(t) for t in d.get("sparse", ())),
+                   tuple(DenseTableSpec(**{**t, "rule": RuleConfig(
+                       **{**t["rule"], "betas": tuple(t["rule"]["betas"])})})
                          for t in d.get("dense", ())))
 
     def fingerprint(self) -> str:
-        """A digest of the layout (names, shapes, rule kinds) but not of learning rates, which
-        may legitimately differ while a job runs."""
-        shape = [(t.name, t.dim, t.rule.name, t.num_embeddings, asdict(t.init))
+        """A digest of the layout (names, shapes, rule kinds, growth settings) but not of
+        learning rates, which may legitimately differ while a job runs."""
+        shape = [(t.name, t.dim, t.rule.name, t.num_embeddings, asdict(t.init)) + (
+            (_entry_json(t.entry), None if t.accessor is None else asdict(t.accessor))
+            if t.entry is not None or t.accessor is not None else ())
                  for t in self.sparse] + [(t.name, t.numel, t.rule.name) for t in self.dense]
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]
 

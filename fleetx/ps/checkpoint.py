@@ -1,47 +1,74 @@
 """Parameter-server checkpoints: which files a save holds and what a load accepts.
 
 :mod:`fleetx.checkpoint` makes a save atomic and its files verified (a manifest of SHA-256
-hashes and a save id, committed last); this module decides what the files hold. Layout of a
-save's folder (``dirname/save-<save id>/``; every array is a ``.npy`` written with
-``allow_pickle=False``)::
+hashes and a save id, committed last); this module decides what the files hold, and
+:mod:`fleetx.ps.chain` checks a save's metadata and a chain of saves. Layout of a save's folder
+(``dirname/save-<save id>/``; every array is a ``.npy`` written with ``allow_pickle=False``)::
 
-    dense.json, dense-<table>.npy      worker 0: save id, each dense table's full flat weights
+    dense.json, dense-<table>.npy      worker 0: save id, mode, each dense table's flat weights
     server-<i>-of-<n>/                 server i of n
-      meta.json                        format, save id, shard_num, per table: kind, dim/width,
-                                       rule, rows (sparse) or start/stop/blocks/scalars (dense)
+      meta.json                        format, save id, mode, base and previous save (deltas),
+                                       shard_num, per table: kind, dim/width, rule, rows,
+                                       passes (sparse) or start/stop/blocks/scalars (dense)
       sparse-<table>.keys.npy          int64 ids, in row order
-      sparse-<table>.rows.npy          float32 (rows, width): weights then rule state
-      dense-<table>.npy                float32 (width,): this server's slice with its state
+      sparse-<table>.rows.npy          float32 (rows, width): weights, then (mode 0, or a delta
+                                       of a mode 0 base) the rule's state
+      sparse-<table>.stats.npy         mode 0, tables with an accessor: [show, click,] passes
+                                       since the last update, per row
+      sparse-<table>.pending.keys.npy  mode 0, tables with an admission entry: ids waiting for
+      sparse-<table>.pending.npy       admission, and (sightings, passes since the last one)
+      sparse-<table>.deleted.npy       mode 2: ids removed (by a shrink) since the save before
+      dense-<table>.npy                float32: this server's slice (with its state in mode 0)
+
+Modes (``save_persistables(dirname, mode)``): 0 saves everything a resumed job needs; 1 a base
+(weights); 2 a delta: only the rows changed since the previous save and the ids removed since
+(with the state when the chain's base is a mode 0 save); ``"export"`` the weights for serving
+(:mod:`fleetx.ps_torch.export` adds the dense ``state_dict``).
 
 A save refuses tables holding NaN or inf (the previous checkpoint stays). A load refuses, with a
 :class:`~fleetx.checkpoint.CheckpointError` naming the file: a file whose bytes do not match
 the manifest, a missing file, metadata from another save than the manifest's, a row count that
 disagrees with ``meta.json``, a duplicated key or a key of another server, rows or slices
-holding NaN or inf, slices that do not tile their dense table.
+holding NaN or inf, slices that do not tile their dense table, saves that are not one chain.
 
 Loading filters saved rows through the current partition function, so a checkpoint can be
 loaded by the same number of servers (each reads back what it wrote) or by a different one
-(each takes its ids from every saved shard, and re-cuts dense slices). When the saved rule
-differs from the current one (another state width), weights are kept and state starts fresh.
+(each takes its ids from every saved shard, and re-cuts dense slices); deltas likewise. When the
+saved rule differs from the current one (another state width), weights are kept and state
+starts fresh.
 """
 from __future__ import annotations
 
 import os
-import re
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
 from fleetx.checkpoint import Checkpoint, CheckpointError, SaveWriter
 from fleetx.ps.api import PSConfigError
+from fleetx.ps.chain import FORMAT, Save, bad_file as _bad, open_chain, read_meta as _read_meta
 from fleetx.ps.partition import server_of
 from fleetx.ps.table import DenseTable, SparseTable
 
-__all__ = ["FORMAT", "save_server", "load_server", "save_dense", "load_dense", "server_folder",
-           "confine"]
+__all__ = ["FORMAT", "Chain", "Loaded", "save_server", "load_server", "save_dense", "load_dense",
+           "server_folder", "confine"]
 
-FORMAT = 2
-_FOLDER = re.compile(r"(server-(\d+)-of-(\d+))/meta\.json\Z")
+
+class Chain(NamedTuple):
+    """The chain of saves a server continues: its base save, the last save, and whether the
+    base holds optimizer state (mode 0), which its deltas then carry too."""
+
+    base: str
+    prev: str
+    state: bool
+
+
+class Loaded(NamedTuple):
+    """What :func:`load_server` loaded: rows (sparse) or values (dense) per table, and the
+    chain the loaded saves form."""
+
+    rows: dict
+    chain: Chain
 
 
 def server_folder(index: int, num_servers: int) -> str:
@@ -64,8 +91,10 @@ def confine(path: str, root: str) -> str:
     return real
 
 
-def _dense_shape(table: DenseTable) -> tuple[int, int]:
+def _dense_shape(table: DenseTable, with_state: bool) -> tuple[int, int]:
     """(blocks, scalars): the slice row is ``blocks`` runs of ``numel`` then ``scalars``."""
+    if not with_state:
+        return 1, 0
     b = table.rule.width(0)
     return (table.rule.width(1) - b, b)
 
@@ -78,34 +107,70 @@ def _refuse_nonfinite(name: str, slab: np.ndarray) -> None:
 
 
 def save_server(writer: SaveWriter, index: int, num_servers: int, shard_num: int,
-                sparse: Mapping[str, SparseTable], dense: Mapping[str, DenseTable]) -> dict:
+                sparse: Mapping[str, SparseTable], dense: Mapping[str, DenseTable],
+                mode: Any = 0, chain: Optional[Chain] = None) -> dict:
     """Write server ``index``'s shards into ``writer``'s save; returns ``{table: rows}``.
+
+    Args:
+        mode: 0 everything, 1 a base, 2 a delta since ``chain.prev``, ``"export"`` weights.
+        chain: the chain a delta continues (required for mode 2).
 
     Raises:
         CheckpointError: a table holds NaN or inf, or a file cannot be written.
     """
+    if mode == "export":  # serving takes the dense weights from the worker's state_dict
+        dense = {}
     for name, t in {**sparse, **dense}.items():
         _refuse_nonfinite(name, t.slab)
+    with_state = mode == 0 or (mode == 2 and chain.state)
     folder = server_folder(index, num_servers)
-    meta: dict = {"format": FORMAT, "save_id": writer.save_id, "server": index,
+    meta: dict = {"format": FORMAT, "save_id": writer.save_id, "server": index, "mode": mode,
                   "num_servers": num_servers, "shard_num": shard_num, "tables": {}}
+    if mode == 2:
+        meta.update(base_save_id=chain.base, prev_save_id=chain.prev)
     counts = {}
     for name, t in sparse.items():
-        writer.write_array(f"{folder}/sparse-{name}.keys.npy", t.index.keys)
-        writer.write_array(f"{folder}/sparse-{name}.rows.npy", t.slab)
-        meta["tables"][name] = {"kind": "sparse", "dim": t.dim, "width": t.width,
-                                "rule": t.rule.name, "rows": len(t)}
-        counts[name] = len(t)
+        meta["tables"][name] = _save_sparse(writer, f"{folder}/sparse-{name}", t, mode,
+                                            with_state)
+        counts[name] = meta["tables"][name]["rows"]
     for name, t in dense.items():
-        writer.write_array(f"{folder}/dense-{name}.npy", t.slab[0])
-        blocks, scalars = _dense_shape(t)
+        writer.write_array(f"{folder}/dense-{name}.npy",
+                           t.slab[0] if with_state else t.slab[0, :t.numel])
+        blocks, scalars = _dense_shape(t, with_state)
         meta["tables"][name] = {"kind": "dense", "start": t.start, "stop": t.stop,
                                 "rule": t.rule.name, "blocks": blocks, "scalars": scalars}
     writer.write_json(f"{folder}/meta.json", meta)
     return counts
 
 
-def save_dense(writer: SaveWriter, values: Mapping[str, np.ndarray]) -> None:
+def _save_sparse(writer: SaveWriter, stem: str, t: SparseTable, mode: Any,
+                 with_state: bool) -> dict:
+    """Write one sparse table's files (``stem`` + suffix); returns its ``meta.json`` entry."""
+    n = len(t)
+    rows = t.changes.changed(n) if mode == 2 else slice(0, n)
+    cols = slice(None) if with_state else slice(0, t.dim)
+    keys, values = t.index.keys[rows], t.slab[rows, cols]
+    writer.write_array(f"{stem}.keys.npy", keys)
+    writer.write_array(f"{stem}.rows.npy", values)
+    info = {"kind": "sparse", "dim": t.dim, "width": values.shape[1], "rule": t.rule.name,
+            "rows": len(keys), "passes": t.passes}
+    if mode == 0 and t.stats is not None:
+        writer.write_array(f"{stem}.stats.npy", t.stats.state(np.arange(n), t.passes))
+        info["stats"] = t.stats.width
+    if mode == 0 and t.admission is not None:
+        ids, pending = t.admission.state()
+        pending[:, 1] = t.passes - pending[:, 1]  # portable: passes since the last sighting
+        writer.write_array(f"{stem}.pending.keys.npy", ids)
+        writer.write_array(f"{stem}.pending.npy", pending)
+        info["pending"] = len(ids)
+    if mode == 2:
+        deleted = t.changes.removed_ids()
+        writer.write_array(f"{stem}.deleted.npy", deleted)
+        info["deleted"] = len(deleted)
+    return info
+
+
+def save_dense(writer: SaveWriter, values: Mapping[str, np.ndarray], mode: Any = 0) -> None:
     """Worker 0: write each dense table's full flat weights into ``writer``'s save.
 
     Raises:
@@ -115,57 +180,11 @@ def save_dense(writer: SaveWriter, values: Mapping[str, np.ndarray]) -> None:
     for name, v in values.items():
         _refuse_nonfinite(name, v)
         writer.write_array(f"dense-{name}.npy", v)
-    writer.write_json("dense.json", {"format": FORMAT, "save_id": writer.save_id,
+    writer.write_json("dense.json", {"format": FORMAT, "save_id": writer.save_id, "mode": mode,
                                      "tables": {n: int(v.size) for n, v in values.items()}})
 
 
 # ------------------------------------------------------------------------------ loading
-
-
-def _bad(ckpt: Checkpoint, rel: str, what: str) -> CheckpointError:
-    return CheckpointError(f"{ckpt.path(rel)}: {what}", ckpt.path(rel))
-
-
-def _read_meta(ckpt: Checkpoint, rel: str) -> dict:
-    """A ``meta.json`` / ``dense.json`` of this save: right format and save id."""
-    meta = ckpt.read_json(rel)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise _bad(ckpt, rel, f"checkpoint format {_get(meta, 'format')!r}, expected {FORMAT}")
-    if meta.get("save_id") != ckpt.save_id:
-        raise _bad(ckpt, rel, f"belongs to save {meta.get('save_id')!r}, but the manifest is of "
-                   f"save {ckpt.save_id!r}: files of different saves are mixed")
-    if not isinstance(meta.get("tables"), dict):
-        raise _bad(ckpt, rel, "no 'tables' object")
-    return meta
-
-
-def _get(d: Any, key: str) -> Any:
-    return d.get(key) if isinstance(d, dict) else None
-
-
-def _saved_servers(ckpt: Checkpoint) -> list[tuple[str, dict]]:
-    """``(folder, meta)`` of every saved server, checked to be one complete set."""
-    found = []
-    for rel in ckpt.names("server-"):
-        m = _FOLDER.match(rel)
-        if not m:
-            continue
-        meta = _read_meta(ckpt, rel)
-        if (meta.get("server"), meta.get("num_servers")) != (int(m[2]), int(m[3])) or \
-                not isinstance(meta.get("shard_num"), int) or meta["shard_num"] < 1:
-            raise _bad(ckpt, rel, f"says server {meta.get('server')} of "
-                       f"{meta.get('num_servers')} (shard_num {meta.get('shard_num')!r}) but "
-                       f"lies in {m[1]}")
-        found.append((m[1], meta))
-    if not found:
-        raise CheckpointError(f"no parameter-server checkpoint in {ckpt.dirname} (its save has "
-                              "no server-<i>-of-<n>/meta.json)", ckpt.dirname)
-    n = found[0][1]["num_servers"]
-    if sorted(m["server"] for _, m in found) != list(range(n)) or \
-            len({m["num_servers"] for _, m in found}) != 1:
-        raise CheckpointError(f"{ckpt.folder}: incomplete checkpoint: server folders "
-                              f"{[f for f, _ in found]}, expected {n}", ckpt.folder)
-    return found
 
 
 def _table_info(ckpt: Checkpoint, folder: str, name: str, info: Any, keys: tuple) -> dict:
@@ -200,7 +219,7 @@ def _check_rows(ckpt: Checkpoint, rel: str, rows: np.ndarray, width: int, keys) 
 
 
 def _read_sparse(ckpt: Checkpoint, folder: str, meta: dict, name: str, dim: int):
-    """``(keys, rows, saved rule)`` of one table in one server folder, checked."""
+    """``(keys, rows, table info)`` of one table in one server folder, checked."""
     info = _table_info(ckpt, folder, name, meta["tables"][name], ("dim", "width", "rows"))
     if info["dim"] != dim:
         raise PSConfigError(f"table {name!r}: saved dim {info['dim']} != {dim}")
@@ -212,43 +231,124 @@ def _read_sparse(ckpt: Checkpoint, folder: str, meta: dict, name: str, dim: int)
                    f"{info['rows']} rows here, but {k_rel} holds {len(keys)} keys and {r_rel} "
                    f"{len(rows)} rows")
     _check_rows(ckpt, r_rel, rows, info["width"], keys)
-    return keys, rows, info.get("rule")
+    return keys, rows, info
 
 
-def load_server(dirname: str, index: int, num_servers: int, shard_num: int,
-                sparse: Mapping[str, SparseTable], dense: Mapping[str, DenseTable]) -> dict:
-    """Fill this server's tables from a checkpoint; returns ``{table: rows loaded}``.
+def _read_extra(ckpt: Checkpoint, rel: str, n: int, width: Optional[int], dtype) -> np.ndarray:
+    """A per-id array of a sparse table (statistics, pending counts, deleted ids), checked."""
+    a = ckpt.read_array(rel)
+    shape = (n,) if width is None else (n, width)
+    if a.dtype != dtype or a.shape != shape:
+        raise _bad(ckpt, rel, f"expected {np.dtype(dtype)} {shape}, got {a.dtype} {a.shape}")
+    if a.dtype.kind == "f" and not np.isfinite(a).all():
+        raise _bad(ckpt, rel, f"{int((~np.isfinite(a)).sum())} values are NaN or inf")
+    return a
 
-    Tables absent from the checkpoint are left as they are (and not marked loaded).
+
+def _load_sparse(save: Save, name: str, t: SparseTable, mine) -> int:
+    """Replay one save of one sparse table on ``t`` (its deletions, then its rows); returns the
+    rows written. ``mine(keys)``: the mask of keys this server owns."""
+    n, ckpt = 0, save.ckpt
+    for folder, meta in save.servers:
+        if name not in meta["tables"]:
+            continue
+        stem = f"{folder}/sparse-{name}"
+        info = meta["tables"][name]
+        if save.mode == 2:
+            deleted = _read_extra(ckpt, f"{stem}.deleted.npy", _count(ckpt, folder, info,
+                                                                       "deleted"), None, np.int64)
+            t.remove(deleted[mine(deleted)])
+        keys, rows, info = _read_sparse(ckpt, folder, meta, name, t.dim)
+        own = mine(keys)
+        if info.get("rule") == t.rule.name:
+            placed = t.load(keys[own], rows[own])
+        else:  # another rule's state means nothing here: keep the weights only
+            t.assign(keys[own], rows[own][:, :t.dim])
+            placed = t.index.find(keys[own])
+        t.passes = max(t.passes, int(info.get("passes", 0)))
+        if "stats" in info and t.stats is not None and info["stats"] == t.stats.width:
+            stats = _read_extra(ckpt, f"{stem}.stats.npy", len(keys), info["stats"], np.float32)
+            t.stats.restore(placed, stats[own], t.passes)
+        if "pending" in info and t.admission is not None:
+            _load_pending(ckpt, stem, _count(ckpt, folder, info, "pending"), t, mine)
+        n += int(own.sum())
+    return n
+
+
+def _count(ckpt: Checkpoint, folder: str, info: dict, key: str) -> int:
+    v = info.get(key)
+    if not isinstance(v, int) or v < 0:
+        raise _bad(ckpt, f"{folder}/meta.json", f"malformed {key!r} count {v!r}")
+    return v
+
+
+def _load_pending(ckpt: Checkpoint, stem: str, n: int, t: SparseTable, mine) -> None:
+    ids = _read_extra(ckpt, f"{stem}.pending.keys.npy", n, None, np.int64)
+    cols = _read_extra(ckpt, f"{stem}.pending.npy", n, 2, np.float32)
+    own = mine(ids)
+    cols = cols[own].copy()
+    cols[:, 1] = t.passes - cols[:, 1]
+    t.admission.restore(ids[own], cols)
+
+
+def load_server(dirnames: Union[str, Sequence[str]], index: int, num_servers: int,
+                shard_num: int, sparse: Mapping[str, SparseTable],
+                dense: Mapping[str, DenseTable], tables: Optional[Sequence[str]] = None
+                ) -> Loaded:
+    """Fill this server's tables from a save, or from a base save and the deltas after it.
+
+    Tables absent from the saves are left as they are (and not marked loaded).
+
+    Args:
+        dirnames: a save folder, or a base and its deltas in the order they were saved.
+        tables: load only these tables (sparse or dense); None: every table.
 
     Raises:
-        CheckpointError: no checkpoint, or any file that does not match (named).
-        PSConfigError: a table's shape changed.
+        CheckpointError: no checkpoint, any file that does not match, saves that are not one
+            chain (named).
+        PSConfigError: a table's shape changed, or ``tables`` names a table that is not in
+            this job or not in the save.
     """
-    ckpt = Checkpoint(dirname)
-    saved = _saved_servers(ckpt)
-    _worker_dense(ckpt)  # not used here, but a checkpoint is accepted whole or not at all
+    saves = open_chain(dirnames)
+    for save in saves:
+        _worker_dense(save.ckpt)  # not used here, but a save is accepted whole or not at all
+    names = _selected(tables, sparse, dense, saves[0])
+
+    def mine(keys):
+        return server_of(keys, num_servers, shard_num) == index
+
     loaded: dict = {}
-    for name, t in sparse.items():
-        n = 0
-        for folder, meta in saved:
-            if name not in meta["tables"]:
-                continue
-            keys, rows, rule = _read_sparse(ckpt, folder, meta, name, t.dim)
-            mine = server_of(keys, num_servers, shard_num) == index
-            if mine.any():
-                if rule == t.rule.name:
-                    t.load(keys[mine], rows[mine])
-                else:  # another rule's state means nothing here: keep the weights only
-                    t.assign(keys[mine], rows[mine][:, :t.dim])
-                n += int(mine.sum())
-            loaded[name] = n
-    for name, t in dense.items():
-        parts = [(folder, m) for folder, m in saved if name in m["tables"]]
+    for name in names & set(sparse):
+        t = sparse[name]
+        for save in saves:
+            if any(name in m["tables"] for _, m in save.servers):
+                _load_sparse(save, name, t, mine)
+                loaded[name] = len(t)
+    for name in names & set(dense):
+        parts = [(folder, m) for folder, m in saves[-1].servers if name in m["tables"]]
         if parts:
-            _load_dense_slice(ckpt, name, t, parts)
-            loaded[name] = t.numel
-    return loaded
+            _load_dense_slice(saves[-1].ckpt, name, dense[name], parts)
+            loaded[name] = dense[name].numel
+    last = saves[-1]
+    return Loaded(loaded, Chain(saves[0].save_id, last.save_id, saves[0].mode == 0))
+
+
+def _selected(tables, sparse, dense, base: Save) -> set:
+    """The names of ``tables`` (None: all), checked against the job's tables and the save."""
+    if tables is None:
+        return set(sparse) | set(dense)
+    if isinstance(tables, str) or not all(isinstance(n, str) for n in tables):
+        raise PSConfigError(f"var_names={tables!r}: expected a list of table names")
+    known = set(sparse) | set(dense)
+    saved = {n for _, m in base.servers for n in m["tables"]}
+    for n in tables:
+        if n not in known:
+            raise PSConfigError(f"var_names: no table {n!r} in this job; its tables: "
+                                f"{', '.join(sorted(known))}")
+        if n not in saved:
+            raise PSConfigError(f"var_names: table {n!r} is not in the save "
+                                f"{base.ckpt.dirname}; it holds: {', '.join(sorted(saved))}")
+    return set(tables)
 
 
 def _dense_parts(ckpt: Checkpoint, name: str, parts: list) -> list:
@@ -295,14 +395,15 @@ def _load_dense_slice(ckpt: Checkpoint, name: str, t: DenseTable, parts: list) -
     t.assign(mine[0], state)
 
 
-def load_dense(dirname: str) -> dict[str, np.ndarray]:
+def load_dense(dirnames: Union[str, Sequence[str]]) -> dict[str, np.ndarray]:
     """The dense weights worker 0 saved, by table name (verified; empty when the save has
-    none).
+    none); of a chain of saves, the last one's.
 
     Raises:
-        CheckpointError: a damaged, missing or mismatched file (named).
+        CheckpointError: a damaged, missing or mismatched file, saves that are not one chain
+            (named).
     """
-    return _worker_dense(Checkpoint(dirname))
+    return _worker_dense(open_chain(dirnames)[-1].ckpt)
 
 
 def _worker_dense(ckpt: Checkpoint) -> dict[str, np.ndarray]:

@@ -239,7 +239,8 @@ class KVClient:
              dense: Optional[Mapping[str, np.ndarray]] = None, *, delta: bool = False,
              pull_dense: Sequence[str] = (), geo_pull: Optional[Sequence[str]] = None) -> Handle:
         """Send gradients (or GEO deltas with ``delta=True``): ``sparse[table] = (ids, grads)``
-        with duplicates allowed (they are summed here), ``dense[table] = flat gradient``.
+        with duplicates allowed (they are summed here), ``dense[table] = flat gradient``. For a
+        show/click table each id's row is its gradient followed by show and click.
 
         In sync mode every server gets a push (possibly empty) so its round can complete.
         ``pull_dense``: the reply carries these dense tables' new weights (push and pull in one
@@ -279,8 +280,9 @@ class KVClient:
         sparse, dense = dict(sparse or {}), dict(dense or {})
         merged = {}
         for n, (ids, grads) in sparse.items():
-            r = self._route(n, ids)
-            merged[n] = (r, self._merge(r, grads, self.tables.get(n).dim))
+            r, spec = self._route(n, ids), self.tables.get(n)
+            width = spec.push_width if "kind" in meta else spec.dim  # a PUSH, or INIT rows
+            merged[n] = (r, self._merge(r, grads, width))
         dense = {n: np.asarray(v, np.float32).reshape(-1) for n, v in dense.items()}
         per_server = {}
         for s in self._servers():
@@ -317,23 +319,53 @@ class KVClient:
         long (a peer loading data); a dead peer makes it fail, naming that peer."""
         return self._request(Kind.BARRIER, {0: ({"name": name}, [], None)}, None)
 
-    def save(self, dirname: str, save_id: str) -> Handle:
+    def save(self, dirname: str, save_id: str, mode=0) -> Handle:
         """Every server writes its shards into save ``save_id`` of checkpoint ``dirname``
-        (:class:`fleetx.checkpoint.SaveWriter`), which the caller then commits. Result:
+        (:class:`fleetx.checkpoint.SaveWriter`), which the caller then commits; ``mode``: 0
+        everything, 1 a base, 2 a delta, ``"export"`` weights for serving. Result:
         ``(rows saved per table, [FileEntry of every file the servers wrote])``."""
         def finish(replies):
-            rows: dict = {}
-            files = []
-            for r in replies:
-                for n, k in r.meta.get("rows", {}).items():
-                    rows[n] = rows.get(n, 0) + k
-                files += [FileEntry.from_json(k, v) for k, v in r.meta.get("files", {}).items()]
+            rows, files, _ = _saved(replies)
             return rows, files
-        meta = {"dirname": os.path.abspath(dirname), "save_id": save_id}
+        return self._save(dirname, save_id, mode, finish)
+
+    def save_with_chain(self, dirname: str, save_id: str, mode=0) -> Handle:
+        """:meth:`save`, with each server's reply meta as a third result (the delta chain each
+        server continues: ``chain = {"base", "prev"}``)."""
+        return self._save(dirname, save_id, mode, _saved)
+
+    def _save(self, dirname: str, save_id: str, mode, finish) -> Handle:
+        meta = {"dirname": os.path.abspath(dirname), "save_id": save_id, "mode": mode}
         return self._request(Kind.SAVE, {s: (meta, [], None) for s in self._servers()}, finish)
+
+    def shrink(self, threshold: Optional[int] = None) -> Handle:
+        """End a pass on every server (decay, evict, forget pending ids); ``threshold``
+        replaces each table's ``delete_after_unseen_days``. Result: ``{table: {"removed",
+        "forgotten", "rows"}}`` summed over the servers."""
+        def finish(replies):
+            out: dict = {}
+            for r in replies:
+                for n, d in r.meta.get("tables", {}).items():
+                    acc = out.setdefault(n, {})
+                    for k, v in d.items():
+                        acc[k] = acc.get(k, 0) + v
+            return out
+        meta = {"threshold": threshold}
+        return self._request(Kind.SHRINK, {s: (meta, [], None) for s in self._servers()},
+                             finish)
 
     def stats(self) -> Handle:
         """Each server's :meth:`PSServer.stats`, in server order."""
         return self._request(Kind.STATS, {s: ({}, [], None) for s in self._servers()},
                              lambda replies: [r.meta for r in replies])
 
+
+def _saved(replies) -> tuple[dict, list, list]:
+    """``(rows per table, files, reply metas)`` of the servers' SAVE replies."""
+    rows: dict = {}
+    files = []
+    for r in replies:
+        for n, k in r.meta.get("rows", {}).items():
+            rows[n] = rows.get(n, 0) + k
+        files += [FileEntry.from_json(k, v) for k, v in r.meta.get("files", {}).items()]
+    return rows, files, [r.meta for r in replies]

@@ -14,7 +14,7 @@ import numpy as np
 from fleetx.ps.api import InitConfig
 from fleetx.ps.kernels import mix64
 
-__all__ = ["initial_rows"]
+__all__ = ["initial_rows", "sighting_draws"]
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _TOP24 = np.uint64(40)
@@ -53,3 +53,22 @@ def initial_rows(ids: np.ndarray, dim: int, init: InitConfig) -> np.ndarray:
     z[:, 0::2] = radius * np.cos(angle)
     z[:, 1::2] = radius * np.sin(angle)
     return (init.mean + init.std * z[:, :dim]).astype(np.float32)
+
+
+_DRAW_SALT = np.uint64(0xA0761D6478BD642F)  # admission draws never repeat a row's init values
+
+
+def sighting_draws(ids: np.ndarray, seed: int, sightings: np.ndarray) -> np.ndarray:
+    """One uniform float64 in [0, 1) per id: the draw of its ``sightings``-th sighting, a pure
+    function of ``(seed, id, sightings)`` (what :class:`~fleetx.ps.api.ProbabilityEntry`
+    admits by).
+
+    Example:
+        >>> d = sighting_draws(np.array([5, 9]), 0, np.array([1, 1]))
+        >>> bool((d == sighting_draws(np.array([9, 5]), 0, np.array([1, 1]))[::-1]).all())
+        True
+    """
+    base = mix64(np.ascontiguousarray(ids, np.int64).view(np.uint64)
+                 ^ mix64(np.array([seed], np.uint64) ^ _DRAW_SALT))
+    k = np.asarray(sightings).astype(np.uint64)
+    return (mix64(base + k * _GOLD) >> _TOP24).astype(np.float64) * (1.0 / (1 << 24))

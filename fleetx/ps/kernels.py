@@ -25,7 +25,8 @@ except ImportError as e:  # pragma: no cover - depends on the build
                   else f"the built extension does not load: {e}")
 
 __all__ = ["backend", "set_backend", "describe", "log_backend", "mix64", "INDEX_SALT",
-           "index_find", "index_insert", "gather", "segment_sum", "apply_sgd", "apply_adagrad",
+           "EMPTY", "index_find", "index_insert", "index_rebuild", "index_remove", "index_relink",
+           "gather", "segment_sum", "apply_sgd", "apply_adagrad",
            "apply_adam", "apply_sum", "unique_inverse"]
 
 # Measured with benchmarks/ps_table.py on one 10^6-row table: pulls ~8x, Adam pushes ~2.5-4x
@@ -99,10 +100,33 @@ def mix64(x: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- index
+#
+# Slots are uint32: (tag << rbits) | row with rbits the bit length of the slot count, all ones
+# (EMPTY) for a free slot; row_keys[row] is the key of a row. A key's home slot is the high
+# half of its hash times the slot count, over 2^32 (any slot count works); its tag is the low
+# 32 - rbits bits of the hash, so that a probe reads a key only when the tags match.
+
+EMPTY = np.uint32(0xFFFFFFFF)
+MAX_SLOTS = 0x7FFFFFFF
 
 
-def _slot_of(keys: np.ndarray, mask: int) -> np.ndarray:
-    return (mix64(keys.view(np.uint64) + INDEX_SALT) & np.uint64(mask)).astype(np.int64)
+class _Layout:
+    """Where keys go in ``cap`` slots: home slots, tags, and the row field of a slot."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.rbits = int(cap).bit_length()
+        self.rmask = np.uint32((1 << self.rbits) - 1)
+
+    def hash(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(home slot (int64), tag in place (uint32))`` of every key."""
+        h = mix64(keys.view(np.uint64) + INDEX_SALT)
+        home = (((h >> np.uint64(32)) * np.uint64(self.cap)) >> np.uint64(32)).astype(np.int64)
+        tag_bits = np.uint64((1 << (32 - self.rbits)) - 1)
+        return home, ((h & tag_bits) << np.uint64(self.rbits)).astype(np.uint32)
+
+    def row(self, s: np.ndarray) -> np.ndarray:
+        return (s & self.rmask).astype(np.int64)
 
 
 def _index_full(fn: str, cap: int) -> ValueError:
@@ -110,32 +134,64 @@ def _index_full(fn: str, cap: int) -> ValueError:
                       "grow the slots before inserting")
 
 
-def _np_find(slots: np.ndarray, keys: np.ndarray, out: np.ndarray, fn: str = "index_find") -> int:
-    pairs = slots.reshape(-1, 2)
-    mask = len(pairs) - 1
-    pending = np.arange(len(keys))
-    h = _slot_of(keys, mask)
-    for _ in range(len(pairs)):  # one vectorised probe round each; a key visits every slot
+def _np_probe(slots, row_keys, keys, fn: str):
+    """``(slot, row)`` of every key: the slot holding it (row >= 0) or the first empty slot on
+    its probe path (row -1); one vectorised probe round per slot visited."""
+    lay = _Layout(len(slots))
+    home, tag = lay.hash(keys)
+    slot, row = np.empty(len(keys), np.int64), np.empty(len(keys), np.int64)
+    pending, pos = np.arange(len(keys)), home
+    for _ in range(lay.cap):
         if not pending.size:
             break
-        k, r = pairs[h, 0], pairs[h, 1]
-        empty = r < 0
-        hit = ~empty & (k == keys[pending])
-        out[pending[empty]] = -1
-        out[pending[hit]] = r[hit]
-        cont = ~(empty | hit)
-        pending, h = pending[cont], (h[cont] + 1) & mask
+        s = slots[pos]
+        empty = s == EMPTY
+        r = lay.row(s)
+        cand = ~empty & ((s & ~lay.rmask) == tag[pending])
+        if (r[cand] >= len(row_keys)).any():
+            raise ValueError(f"{fn}: a slot names a row outside row_keys (a damaged index)")
+        hit = cand.copy()
+        hit[cand] = row_keys[r[cand]] == keys[pending[cand]]
+        done = empty | hit
+        slot[pending[done]], row[pending[done]] = pos[done], np.where(hit, r, -1)[done]
+        pending, pos = pending[~done], pos[~done] + 1
+        pos[pos == lay.cap] = 0
     if pending.size:
-        raise _index_full(fn, len(pairs))
-    return int(np.count_nonzero(out[:len(keys)] < 0))
+        raise _index_full(fn, lay.cap)
+    return slot, row
+
+
+def _np_place(slots, keys: np.ndarray, rows: np.ndarray) -> None:
+    """Put new, distinct ``keys`` with their ``rows`` in free slots of their probe paths."""
+    lay = _Layout(len(slots))
+    home, tag = lay.hash(keys)
+    values = tag | rows.astype(np.uint32)
+    pending, pos = np.arange(len(keys)), home
+    # A key moves on when its slot is taken and stays when it lost a free slot to another key,
+    # which then holds it: each round either places a key or moves every other one on, so
+    # len(keys) + capacity rounds place them all unless the index is full.
+    for _ in range(len(keys) + lay.cap):
+        if not pending.size:
+            break
+        free = slots[pos] == EMPTY
+        cand, hs = pending[free], pos[free]
+        _, win = np.unique(hs, return_index=True)  # one key per free slot per round
+        slots[hs[win]] = values[cand[win]]
+        placed = np.zeros(len(pending), bool)
+        placed[np.flatnonzero(free)[win]] = True
+        pending, pos = pending[~placed], pos[~placed]
+        pos[~free[~placed]] += 1  # occupied slots: probe on; losers retry the same slot
+        pos[pos == lay.cap] = 0
+    if pending.size:
+        raise _index_full("index_insert", lay.cap)
 
 
 def _np_insert(slots, row_keys, keys, out, next_row: int) -> int:
-    if _np_find(slots, keys, out, "index_insert") == 0:
+    _, found = _np_probe(slots, row_keys[:next_row], keys, "index_insert")
+    out[:len(keys)] = found
+    miss = np.flatnonzero(found < 0)
+    if not len(miss):
         return next_row
-    pairs = slots.reshape(-1, 2)
-    mask = len(pairs) - 1
-    miss = np.flatnonzero(out[:len(keys)] < 0)
     uniq, first, inv = np.unique(keys[miss], return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")  # rows in first-occurrence order, as in C
     new_keys = uniq[order]
@@ -144,72 +200,137 @@ def _np_insert(slots, row_keys, keys, out, next_row: int) -> int:
     rows = next_row + np.arange(len(new_keys), dtype=np.int64)
     out[miss] = rows[rank[inv]]
     row_keys[rows] = new_keys
-    pending, h = np.arange(len(new_keys)), _slot_of(new_keys, mask)
-    # A key moves on when its slot is taken and stays when it lost a free slot to another key,
-    # which then holds it: each round either places a key or moves every other one on, so
-    # len(new_keys) + capacity rounds place them all unless the table is full.
-    for _ in range(len(new_keys) + len(pairs)):
-        if not pending.size:
-            break
-        free = pairs[h, 1] < 0
-        cand, hs = pending[free], h[free]
-        _, win = np.unique(hs, return_index=True)  # one key per free slot per round
-        pairs[hs[win], 0] = new_keys[cand[win]]
-        pairs[hs[win], 1] = rows[cand[win]]
-        placed = np.zeros(len(pending), bool)
-        placed[np.flatnonzero(free)[win]] = True
-        pending, h = pending[~placed], h[~placed]
-        h[~free[~placed]] += 1  # occupied slots: probe on; losers retry the same slot
-        h &= mask
-    if pending.size:
-        raise _index_full("index_insert", len(pairs))
+    _np_place(slots, new_keys, rows)
     return next_row + len(new_keys)
 
 
-def _check_index(fn: str, slots: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
-    """The preconditions both backends need (an empty ``slots`` crashed the C probe)."""
-    for name, a in (("slots", slots), ("keys", keys), ("out", out)):
+def _np_remove(slots, row_keys, keys) -> int:
+    lay = _Layout(len(slots))
+    removed = 0
+    for k in keys:  # backward-shift deletion, one key at a time (each shift moves others)
+        slot, row = _np_probe(slots, row_keys, k.reshape(1), "index_remove")
+        if row[0] < 0:
+            continue
+        hole = i = int(slot[0])
+        while True:
+            i = 0 if i + 1 == lay.cap else i + 1
+            s = slots[i]
+            if s == EMPTY:
+                break
+            home, _ = lay.hash(row_keys[lay.row(s)].reshape(1))
+            h = int(home[0])
+            stays = (hole < h <= i) if hole < i else (h > hole or h <= i)
+            if not stays:
+                slots[hole], hole = s, i
+        slots[hole] = EMPTY
+        removed += 1
+    return removed
+
+
+def _check_index(fn: str, slots: np.ndarray, row_keys: np.ndarray, *keys: np.ndarray) -> None:
+    """The preconditions both backends need (checked before anything is read or written)."""
+    if not isinstance(slots, np.ndarray) or slots.dtype != np.uint32 or slots.ndim != 1 \
+            or not slots.flags.c_contiguous:
+        raise TypeError(f"{fn}: slots must be a contiguous 1-D uint32 array; got "
+                        f"{getattr(slots, 'dtype', type(slots).__name__)} of shape "
+                        f"{getattr(slots, 'shape', '?')}")
+    for name, a in (("row_keys", row_keys),) + tuple(zip(("keys", "out"), keys)):
         if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.ndim != 1 \
                 or not a.flags.c_contiguous:
             raise TypeError(f"{fn}: {name} must be a contiguous 1-D int64 array; got "
                             f"{getattr(a, 'dtype', type(a).__name__)} of shape "
                             f"{getattr(a, 'shape', '?')}")
-    cap = len(slots) // 2
-    if len(slots) < 2 or len(slots) % 2 or cap & (cap - 1):
-        raise ValueError(f"{fn}: slots must hold 2 * capacity int64 entries with the capacity a "
-                         f"power of two >= 1; got {len(slots)} entries")
-    if len(out) < len(keys):
-        raise ValueError(f"{fn}: out holds {len(out)} rows, fewer than the {len(keys)} keys")
+    if not 1 <= len(slots) <= MAX_SLOTS:
+        raise ValueError(f"{fn}: slots must hold 1 to {MAX_SLOTS} uint32 entries; got "
+                         f"{len(slots)}")
+    if len(keys) == 2 and len(keys[1]) < len(keys[0]):
+        raise ValueError(f"{fn}: out holds {len(keys[1])} rows, fewer than the {len(keys[0])} "
+                         "keys")
 
 
-def index_find(slots: np.ndarray, keys: np.ndarray, out: np.ndarray) -> int:
+def index_find(slots: np.ndarray, row_keys: np.ndarray, keys: np.ndarray,
+               out: np.ndarray) -> int:
     """Rows of ``keys`` into ``out`` (-1 where missing); returns how many are missing.
 
     Raises:
-        TypeError: an argument is not a contiguous 1-D int64 array.
-        ValueError: ``slots`` is not 2 * a power of two long, ``out`` is shorter than ``keys``,
-            or the index is full and a key is absent.
+        TypeError: ``slots`` is not a contiguous 1-D uint32 array, or another argument not a
+            contiguous 1-D int64 array.
+        ValueError: no slots, ``out`` shorter than ``keys``, a full index lacking a key, or a
+            slot naming a row outside ``row_keys``.
     """
-    _check_index("index_find", slots, keys, out)
-    return _c.index_find(slots, keys, out) if _use_c else _np_find(slots, keys, out)
+    _check_index("index_find", slots, row_keys, keys, out)
+    if _use_c:
+        return _c.index_find(slots, row_keys, keys, out)
+    out[:len(keys)] = _np_probe(slots, row_keys, keys, "index_find")[1]
+    return int(np.count_nonzero(out[:len(keys)] < 0))
 
 
 def index_insert(slots, row_keys, keys, out, next_row: int) -> int:
     """Rows of ``keys`` into ``out``, giving missing keys new rows from ``next_row`` on in order
-    of first occurrence (``row_keys[row] = key``); returns the next free row.
+    of first occurrence (``row_keys[row] = key``); returns the next free row. Rows from
+    ``next_row`` on are free: no slot may name them.
 
     Raises:
         TypeError, ValueError: as :func:`index_find`; also when ``row_keys`` or the slots lack
-            room for every key to be new (nothing is written then).
+            room for every key to be new (one slot always stays free; nothing is written then).
     """
-    _check_index("index_insert", slots, keys, out)
-    room = min(len(row_keys), len(slots) // 2)
-    if next_row < 0 or next_row + len(keys) > room:
+    _check_index("index_insert", slots, row_keys, keys, out)
+    if next_row < 0 or next_row + len(keys) > len(row_keys) or \
+            next_row + len(keys) >= len(slots):
         raise ValueError(f"index_insert: not enough room for {len(keys)} keys from row {next_row} "
-                         f"(row_keys holds {len(row_keys)}, the slots {len(slots) // 2})")
+                         f"(row_keys holds {len(row_keys)}, the slots {len(slots)})")
     if _use_c:
         return _c.index_insert(slots, row_keys, keys, out, next_row)
     return _np_insert(slots, row_keys, keys, out, next_row)
+
+
+def index_rebuild(slots: np.ndarray, row_keys: np.ndarray, n: int) -> None:
+    """Index rows ``0 .. n-1`` (distinct keys ``row_keys[:n]``) in ``slots``, all free.
+
+    Raises:
+        TypeError, ValueError: as :func:`index_find`; ``n`` rows do not fit.
+    """
+    _check_index("index_rebuild", slots, row_keys)
+    if not 0 <= n <= len(row_keys) or n >= len(slots):
+        raise ValueError(f"index_rebuild: {n} rows do not fit (row_keys holds {len(row_keys)}, "
+                         f"the slots {len(slots)})")
+    if _use_c:
+        return _c.index_rebuild(slots, row_keys, n)
+    _np_place(slots, row_keys[:n], np.arange(n, dtype=np.int64))
+
+
+def index_remove(slots: np.ndarray, row_keys: np.ndarray, keys: np.ndarray) -> int:
+    """Remove ``keys`` (distinct; absent ones are skipped) from the slots by backward-shift
+    deletion (no tombstones); ``row_keys`` is only read. Returns how many were removed.
+
+    Raises:
+        TypeError, ValueError: as :func:`index_find`.
+    """
+    _check_index("index_remove", slots, row_keys, keys)
+    if _use_c:
+        return _c.index_remove(slots, row_keys, keys)
+    return _np_remove(slots, row_keys, keys)
+
+
+def index_relink(slots: np.ndarray, row_keys: np.ndarray, keys: np.ndarray,
+                 rows: np.ndarray) -> None:
+    """Make the slot of each ``keys[j]`` name ``rows[j]`` (after the caller moved rows;
+    ``row_keys`` still holds each key at its old row).
+
+    Raises:
+        TypeError, ValueError: as :func:`index_find`; rows outside ``row_keys``.
+        KeyError: a key is not in the index.
+    """
+    _check_index("index_relink", slots, row_keys, keys, rows)
+    if len(rows) != len(keys) or (len(rows) and (rows.min() < 0 or rows.max() >= len(row_keys))):
+        raise ValueError("index_relink: rows must be one per key and inside row_keys")
+    if _use_c:
+        return _c.index_relink(slots, row_keys, keys, rows)
+    slot, row = _np_probe(slots, row_keys, keys, "index_relink")
+    if (row < 0).any():
+        raise KeyError("index_relink: a key is not in the index")
+    lay = _Layout(len(slots))
+    slots[slot] = (slots[slot] & ~lay.rmask) | rows.astype(np.uint32)
 
 
 # ---------------------------------------------------------------------------- rows

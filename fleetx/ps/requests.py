@@ -19,7 +19,8 @@ import numpy as np
 from fleetx.ps.api import RequestError
 
 __all__ = ["Push", "check_meta", "names", "parse_push", "nonfinite_error", "parse_pull",
-           "parse_set_lr", "parse_barrier", "parse_save", "geo_names", "optional_bool"]
+           "parse_set_lr", "parse_barrier", "parse_save", "parse_shrink", "SAVE_MODES",
+           "geo_names", "optional_bool"]
 
 _I64, _F32 = np.dtype("<i8"), np.dtype("<f4")
 MAX_NAME = 200       # barrier names
@@ -97,7 +98,8 @@ def _values(kind: str, name: str, buf: np.ndarray, count: int, context: str) -> 
 def parse_push(kind: str, meta: dict, bufs: list, sparse: Mapping[str, Any],
                dense: Mapping[str, Any]) -> Push:
     """A PUSH's or INIT's buffers, checked: per sparse table an int64 ids buffer (in bounds)
-    and ``len(ids) * dim`` float32 values, then per dense table this server's slice length.
+    and ``len(ids) * dim`` float32 values (a PUSH to a show/click table: ``dim + 2`` per id,
+    the gradient then show and click), then per dense table this server's slice length.
 
     Raises:
         RequestError: any mismatch (the message names the table and both sizes).
@@ -111,9 +113,10 @@ def parse_push(kind: str, meta: dict, bufs: list, sparse: Mapping[str, Any],
     for i, n in enumerate(s_names):
         t = sparse[n]
         ids = _ids(kind, n, bufs[2 * i], t)
-        vals = _values(kind, n, bufs[2 * i + 1], len(ids) * t.dim,
-                       f"{len(ids)} ids x dim {t.dim}")
-        out_s.append((n, ids, vals.reshape(len(ids), t.dim)))
+        width = t.spec.push_width if kind == "PUSH" else t.dim
+        what = f"dim {t.dim}" if width == t.dim else f"(dim {t.dim} + show, click)"
+        vals = _values(kind, n, bufs[2 * i + 1], len(ids) * width, f"{len(ids)} ids x {what}")
+        out_s.append((n, ids, vals.reshape(len(ids), width)))
     for j, n in enumerate(d_names):
         vals = _values(kind, n, bufs[2 * len(s_names) + j], dense[n].numel,
                        "this server's slice of the dense table")
@@ -172,11 +175,17 @@ def parse_barrier(meta: dict) -> str:
     return name
 
 
-def parse_save(meta: dict) -> tuple[str, str]:
-    """``(dirname, save_id)`` of a SAVE (the id is checked where it names a folder).
+#: SAVE modes: 0 everything (rows with optimizer state and statistics), 1 a base (weights),
+#: 2 a delta since the last save, "export" weights for serving
+SAVE_MODES = (0, 1, 2, "export")
+
+
+def parse_save(meta: dict) -> tuple[str, str, Any]:
+    """``(dirname, save_id, mode)`` of a SAVE (the id is checked where it names a folder; a
+    missing mode is 0).
 
     Raises:
-        RequestError: a missing or malformed folder or save id.
+        RequestError: a missing or malformed folder, save id or mode.
     """
     dirname, save_id = meta.get("dirname"), meta.get("save_id")
     if not isinstance(dirname, str) or not dirname or len(dirname) > MAX_PATH or \
@@ -185,7 +194,25 @@ def parse_save(meta: dict) -> tuple[str, str]:
                     f"{_short(dirname)}")
     if not isinstance(save_id, str):
         raise _fail("SAVE", f"'save_id' must be a string, got {_short(save_id)}")
-    return dirname, save_id
+    mode = meta.get("mode", 0)
+    if isinstance(mode, bool) or mode not in SAVE_MODES:
+        raise _fail("SAVE", f"'mode' must be one of {SAVE_MODES}, got {_short(mode)}")
+    return dirname, save_id, mode
+
+
+def parse_shrink(meta: dict) -> Optional[int]:
+    """The ``threshold`` of a SHRINK: null (each table's own ``delete_after_unseen_days``) or an
+    int in ``[0, 2**24)``.
+
+    Raises:
+        RequestError: anything else.
+    """
+    t = meta.get("threshold")
+    if t is not None and (not isinstance(t, int) or isinstance(t, bool) or
+                          not 0 <= t < 1 << 24):
+        raise _fail("SHRINK", f"'threshold' must be null or an int in [0, 2**24), got "
+                    f"{_short(t)}")
+    return t
 
 
 def geo_names(meta: dict, sparse: Mapping[str, Any], dense: Mapping[str, Any]) -> tuple:

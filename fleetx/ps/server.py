@@ -38,7 +38,7 @@ import os
 import queue
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from fleetx.checkpoint import CheckpointError, SaveWriter
 from fleetx.ps import kernels, requests
@@ -87,7 +87,8 @@ class PSServer:
             (port 0 picks a free port, see :attr:`endpoint`).
         tables: every table of the job.
         load_dir: start from a checkpoint written by ``save_persistables`` (it must lie under
-            ``config.save_root``).
+            ``config.save_root``), or from a list: a base save, then its deltas in order.
+        load_tables: load only these tables from it (None: all).
         capacity: sparse rows to preallocate per table.
 
     Raises:
@@ -100,15 +101,17 @@ class PSServer:
     """
 
     def __init__(self, config: PSConfig, index: int, tables: Tables,
-                 load_dir: Optional[str] = None, capacity: int = 1024) -> None:
+                 load_dir: Any = None, capacity: int = 1024,
+                 load_tables: Optional[list] = None) -> None:
         if not 0 <= index < config.num_servers:
             raise PSConfigError(f"server index {index} outside [0, {config.num_servers})")
         self.config, self.index, self.tables = config, index, tables
         self.name = f"server {index} ({config.servers[index]})"
         self.save_root = os.path.realpath(config.save_root or os.getcwd())
         if load_dir:
-            load_dir = confine(load_dir, self.save_root)
-        self.shard = Shard(config, index, tables, load_dir, capacity)
+            load_dir = [confine(str(d), self.save_root) for d in load_dir] \
+                if isinstance(load_dir, (list, tuple)) else confine(load_dir, self.save_root)
+        self.shard = Shard(config, index, tables, load_dir, capacity, load_tables)
         if load_dir:
             log.info("%s: loaded from %s", self.name, load_dir)
         self._queue: queue.Queue = queue.Queue()
@@ -128,7 +131,7 @@ class PSServer:
                           Kind.PULL: self._on_pull, Kind.PUSH: self._on_push,
                           Kind.INIT: self._on_init, Kind.SET_LR: self._on_set_lr,
                           Kind.BARRIER: self._on_barrier, Kind.SAVE: self._on_save,
-                          Kind.STATS: self._on_stats}
+                          Kind.STATS: self._on_stats, Kind.SHRINK: self._on_shrink}
 
     # ------------------------------------------------------------------ life cycle
 
@@ -485,14 +488,16 @@ class PSServer:
                             "its heartbeats still came, so the process is alive but stuck")
 
     def _on_save(self, link: Link, msg: Message) -> Message:
-        dirname, save_id = requests.parse_save(msg.meta)
+        dirname, save_id, mode = requests.parse_save(msg.meta)
         writer = SaveWriter(confine(dirname, self.save_root), save_id)
-        rows = self.shard.save(writer)
-        return msg.reply({"rows": rows, "files": {k: e.to_json()
-                                                  for k, e in writer.entries.items()}})
+        reply = self.shard.save(writer, mode)
+        return msg.reply({**reply, "files": {k: e.to_json() for k, e in writer.entries.items()}})
 
     def _on_stats(self, link: Link, msg: Message) -> Message:
         return msg.reply(self.stats())
+
+    def _on_shrink(self, link: Link, msg: Message) -> Message:
+        return msg.reply({"tables": self.shard.shrink(requests.parse_shrink(msg.meta))})
 
     # ------------------------------------------------------------------ observability
 
@@ -514,8 +519,8 @@ class PSServer:
                 f"{s['max_rss_bytes'] / 2 ** 20:.0f} MiB; {rate:.1f} requests/s")
 
 
-def run_server(config: PSConfig, index: int, tables: Tables,
-               load_dir: Optional[str] = None) -> None:
+def run_server(config: PSConfig, index: int, tables: Tables, load_dir: Any = None,
+               load_tables: Optional[list] = None) -> None:
     """Build a :class:`PSServer` and serve until every worker stopped (``fleet.run_server``)."""
-    PSServer(config, index, tables, load_dir=load_dir).run()
+    PSServer(config, index, tables, load_dir=load_dir, load_tables=load_tables).run()
 

@@ -11,21 +11,21 @@ from __future__ import annotations
 import collections
 import logging
 import resource
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from fleetx.ps import kernels
 from fleetx.checkpoint import SaveWriter
 from fleetx.ps import requests
-from fleetx.ps.api import PSConfigError, PSMode, PSConfig, RuleConfig, Tables
-from fleetx.ps.checkpoint import load_server, save_server
+from fleetx.ps.api import PSConfigError, PSMode, PSConfig, RequestError, RuleConfig, Tables
+from fleetx.ps.checkpoint import Chain, load_server, save_server
 from fleetx.ps.partition import dense_ranges
 from fleetx.ps.requests import Push
 from fleetx.ps.rules import make_rule
 from fleetx.ps.table import DenseTable, SparseTable
 
-__all__ = ["Shard"]
+__all__ = ["Shard", "table_report", "check_growth"]
 
 log = logging.getLogger("fleetx.ps")
 
@@ -39,9 +39,11 @@ class Shard:
     """
 
     def __init__(self, config: PSConfig, index: int, tables: Tables,
-                 load_dir: Optional[str] = None, capacity: int = 1024) -> None:
+                 load_dir: Any = None, capacity: int = 1024,
+                 load_tables: Optional[Sequence[str]] = None) -> None:
         self.config, self.index = config, index
         geo = config.mode == PSMode.GEO
+        check_growth(tables, config.mode)
 
         def rule(r: RuleConfig):
             return make_rule(RuleConfig("sum") if geo else r)
@@ -53,11 +55,13 @@ class Shard:
                       for t in tables.dense}
         self.initialized: set[str] = set()  # assigned by INIT or loaded from a checkpoint
         self._geo_dirty = {t: collections.defaultdict(list) for t in self.sparse}
+        self.chain: Optional[Chain] = None  # the saves a delta (mode 2) would follow
         if load_dir:
-            counts = load_server(load_dir, index, config.num_servers, config.shard_num,
-                                 self.sparse, self.dense)
-            self.initialized |= set(counts)
-            log.info("server %d: loaded %s from %s", index, counts, load_dir)
+            loaded = load_server(load_dir, index, config.num_servers, config.shard_num,
+                                 self.sparse, self.dense, load_tables)
+            self.initialized |= set(loaded.rows)
+            self._new_chain(loaded.chain)
+            log.info("server %d: loaded %s from %s", index, loaded.rows, load_dir)
 
     def table(self, name: str):
         t = self.sparse.get(name)
@@ -123,7 +127,7 @@ class Shard:
             merged[name] = (uniq, inv, grads)
         for name, (uniq, inv, grads) in merged.items():
             summed = kernels.segment_sum(inv, grads, len(uniq))
-            summed *= scale
+            summed[:, :self.sparse[name].dim] *= scale  # show and click are sums, not means
             self.sparse[name].push(uniq, summed)
         for name, table in self.dense.items():
             parts = [g for p in pushes for n, g in p.dense if n == name]
@@ -138,7 +142,9 @@ class Shard:
         for name in meta.get("geo_pull") or ():
             pending = self._geo_dirty[name].pop(rank, [])
             ids = np.unique(np.concatenate(pending)) if pending else np.empty(0, np.int64)
-            out += [ids, self.sparse[name].pull(ids)]
+            table = self.sparse[name]
+            ids = ids[table.index.find(ids) >= 0]  # rows a shrink removed since: not sent
+            out += [ids, table.pull(ids, create=False)]
         return out + [self.table(n).pull() for n in meta.get("pull_dense", [])]
 
     def init(self, push: Push, force: bool) -> list[str]:
@@ -162,13 +168,81 @@ class Shard:
         for n in names:
             self.table(n).rule.set_lr(lr)
 
-    def save(self, writer: SaveWriter) -> dict:
-        """Write this server's shards into ``writer``'s save; returns rows per table."""
-        return save_server(writer, self.index, self.config.num_servers, self.config.shard_num,
-                           self.sparse, self.dense)
+    def save(self, writer: SaveWriter, mode: Any = 0) -> dict:
+        """Write this server's shards into ``writer``'s save in ``mode`` (0 everything, 1 a
+        base, 2 a delta since the last save, ``"export"`` weights); returns the reply meta:
+        rows per table, and the chain a delta continues (``base``, ``prev``).
+
+        Raises:
+            RequestError: a delta without a base save or load before it.
+            CheckpointError: a table holds NaN or inf, or a file cannot be written.
+        """
+        if mode == 2 and self.chain is None:
+            raise RequestError("SAVE: a delta (mode 2) needs a base: make a full save (mode 0 "
+                               "or 1) first, or start the servers from one (init_server)")
+        chain = self.chain
+        rows = save_server(writer, self.index, self.config.num_servers, self.config.shard_num,
+                           self.sparse, self.dense, mode, chain)
+        if mode in (0, 1):
+            self._new_chain(Chain(writer.save_id, writer.save_id, mode == 0))
+        elif mode == 2:
+            self._new_chain(chain._replace(prev=writer.save_id))
+        out = {"rows": rows}
+        if mode == 2:
+            out["chain"] = {"base": chain.base, "prev": chain.prev}
+        return out
+
+    def _new_chain(self, chain: Chain) -> None:
+        """The saves so far end with ``chain.prev``: changes count from here."""
+        self.chain = chain
+        for t in self.sparse.values():
+            t.changes.start(len(t))
+
+    def shrink(self, threshold: Optional[int]) -> dict:
+        """End of a pass for every sparse table (:meth:`SparseTable.shrink`); returns
+        ``{table: {"removed", "forgotten", "rows"}}``."""
+        out = {}
+        for name, t in self.sparse.items():
+            out[name] = {**t.shrink(threshold), "rows": len(t)}
+        log.info("server %d: shrink (pass %d ended): %s", self.index,
+                 next(iter(self.sparse.values())).passes - 1 if self.sparse else 0, out)
+        return out
 
     def stats(self) -> dict:
-        """Rows and bytes per table, peak resident memory."""
+        """Rows and bytes per table, peak resident memory, and per sparse table the memory
+        report: rows, bytes by part, passes, rows created and removed, updates dropped, pending
+        ids and admission counts."""
         return {"rows": {n: len(t) for n, t in self.sparse.items()},
                 "table_bytes": {n: t.nbytes for n, t in {**self.sparse, **self.dense}.items()},
+                "tables": {n: table_report(t) for n, t in self.sparse.items()},
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def check_growth(tables: Tables, mode: PSMode) -> None:
+    """Refuse entries GEO mode cannot honour: its workers create and update rows locally and
+    send deltas every ``k_steps``, so the servers neither see each lookup (admission counts)
+    nor each sample's show and click.
+
+    Raises:
+        PSConfigError: a table with an entry in GEO mode (names it).
+    """
+    if PSMode(mode) != PSMode.GEO:
+        return
+    for t in tables.sparse:
+        if t.entry is not None:
+            raise PSConfigError(f"sparse table {t.name!r}: entry={type(t.entry).__name__}(...) "
+                                "needs sync or async mode: in GEO mode workers create and update "
+                                "rows locally and exchange deltas every k_steps, so servers see "
+                                "neither each lookup nor each sample's show and click (an "
+                                "accessor= for eviction works in every mode)")
+
+
+def table_report(t: SparseTable) -> dict:
+    """One sparse table's part of the memory report (plain JSON)."""
+    out = {"rows": len(t), "bytes": t.memory(), "passes": t.passes, **t.counters,
+           "pending": len(t.admission) if t.admission is not None else 0,
+           "entry": type(t.spec.entry).__name__ if t.spec.entry is not None else None,
+           "row_bytes": 4 * t.width}
+    if t.admission is not None:
+        out.update({f"pending_{k}": v for k, v in t.admission.counters.items()})
+    return out

@@ -94,7 +94,7 @@ class ModelLayout:
             group = optimizer.param_groups[m.param_group or 0]
             rule = m.rule or RuleConfig.from_param_group(opt_name, group)
             specs.append(SparseTableSpec(m.table_name, m.embedding_dim, rule, m.init,
-                                         m.num_embeddings))
+                                         m.num_embeddings, m.entry, m.accessor))
             sparse[m.table_name] = m
         dense, dense_specs = [], []
         for i, group in enumerate(optimizer.param_groups):
@@ -207,7 +207,9 @@ class RemoteSparseBackend:
         self._handle, self._cache, self._deferred, self._answers = None, {}, [], {}
         self._deferred_create = False
 
-    def lookup(self, table: str, ids: np.ndarray) -> SparseRows:
+    def lookup(self, table: str, ids: np.ndarray, create: Optional[bool] = None) -> SparseRows:
+        """The rows of ``ids``; ``create`` (default: the backend's) for a pull on demand."""
+        create = self.create if create is None else create
         if self._deferred:
             self._pull_deferred()
         answer = self._answers.pop(id(ids), None)
@@ -224,8 +226,7 @@ class RemoteSparseBackend:
             pos = np.minimum(np.searchsorted(known, uniq), max(len(known) - 1, 0))
             if len(known) and (known[pos] == uniq).all():
                 return SparseRows(uniq, values[pos], inv, np.shape(ids))
-        return self.communicator.pull_sparse({table: ids}, create=self.create).wait() \
-            .sparse[table]
+        return self.communicator.pull_sparse({table: ids}, create=create).wait().sparse[table]
 
     def _pull_deferred(self) -> None:
         parts: dict[str, list[np.ndarray]] = {}
@@ -257,9 +258,11 @@ class LocalSparseBackend:
     def __init__(self, tables: Tables) -> None:
         self.tables = {t.name: SparseTable(t, make_rule(t.rule)) for t in tables.sparse}
 
-    def lookup(self, table: str, ids: np.ndarray) -> SparseRows:
+    def lookup(self, table: str, ids: np.ndarray, create: bool = True) -> SparseRows:
+        """Rows of ``ids``; ``create=False`` (evaluation) neither creates rows nor counts
+        sightings."""
         uniq, inv = kernels.unique_inverse(ids)
-        return SparseRows(uniq, self.tables[table].pull(uniq), inv, np.shape(ids))
+        return SparseRows(uniq, self.tables[table].pull(uniq, create), inv, np.shape(ids))
 
     def assign(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
         for n, (ids, values) in rows.items():
@@ -274,4 +277,4 @@ class LocalSparseBackend:
                 t.rule.set_lr(lr)
             uniq, inv = kernels.unique_inverse(ids)
             t.push(uniq, kernels.segment_sum(inv, np.asarray(grads, np.float32)
-                                             .reshape(len(inv), t.dim), len(uniq)))
+                                             .reshape(len(inv), t.spec.push_width), len(uniq)))

@@ -35,15 +35,15 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from fleetx.checkpoint import SaveWriter
 from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint, kernels
 from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.progress import CountedModel, Progress
-from fleetx.ps.rules import make_rule
 from fleetx.ps.server import run_server
-from fleetx.ps.table import DenseTable
+from fleetx.ps.shard import check_growth
+from fleetx.ps_torch import saving
+from fleetx.ps_torch.table_ops import TableCalls
 from fleetx.ps_torch.worker import make_communicator
 
 __all__ = ["PSRuntime", "PSOptimizer"]
@@ -54,17 +54,24 @@ log = logging.getLogger("fleetx.ps")
 class _LocalSession:
     """No servers: sparse tables in this process, dense parameters stepped by the optimizer."""
 
-    def __init__(self, layout: ModelLayout, load_dir: Optional[str]) -> None:
+    def __init__(self, layout: ModelLayout, load_dir: Any, var_names: Any = None) -> None:
         self.layout = layout
         self.backend = LocalSparseBackend(layout.tables)
         self.backend.assign(layout.initial_sparse())
+        self.saves = saving.LocalChain(self.backend.tables)
         if load_dir:
-            rows = checkpoint.load_server(load_dir, 0, 1, 1, self.backend.tables, {})
+            loaded = checkpoint.load_server(load_dir, 0, 1, 1, self.backend.tables, {},
+                                            var_names)
             dense = checkpoint.load_dense(load_dir)
+            if var_names is not None:
+                dense = {n: v for n, v in dense.items() if n in var_names}
             if dense:
                 layout.load_dense(dense)
-            _say(f"loaded from {os.path.abspath(load_dir)} ({sum(rows.values())} sparse "
-                 f"row(s), {len(dense)} dense table(s))")
+            self.saves.restart(loaded.chain)
+            where = " + ".join(os.path.abspath(str(d)) for d in (
+                [load_dir] if isinstance(load_dir, str) else load_dir))
+            _say(f"loaded from {where} ({sum(loaded.rows.values())} sparse row(s), "
+                 f"{len(dense)} dense table(s))")
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -75,19 +82,11 @@ class _LocalSession:
             if name in self.backend.tables:
                 self.backend.tables[name].rule.set_lr(lr)
 
-    def save(self, dirname: str) -> None:
-        """A one-server checkpoint: sparse rows with their state; dense weights (the torch
-        optimizer's state is not part of it) both as worker 0 and as server 0 write them."""
-        dense = self.layout.dense_values()
-        tables = {}
-        for spec in self.layout.tables.dense:
-            t = DenseTable(spec, make_rule(spec.rule), 0, spec.numel)
-            t.assign(dense[spec.name])
-            tables[spec.name] = t
-        writer = SaveWriter(dirname)
-        checkpoint.save_server(writer, 0, 1, 1, self.backend.tables, tables)
-        checkpoint.save_dense(writer, dense)
-        writer.commit()
+    def save(self, dirname: str, mode: int = 0) -> None:
+        """A one-server checkpoint: sparse rows (with their state in mode 0); dense weights
+        (the torch optimizer's state is not part of it) both as worker 0 and as server 0 write
+        them."""
+        self.saves.save(dirname, mode, self.layout.dense_values(), self.layout.tables.dense)
 
     def stop(self) -> None:
         """Nothing to disconnect."""
@@ -119,8 +118,8 @@ class _RemoteSession:
     def set_lr(self, lr: float, tables: list) -> None:
         self.comm.set_lr(lr, tables)
 
-    def save(self, dirname: str) -> None:
-        self.comm.save(dirname)
+    def save(self, dirname: str, mode: int = 0) -> None:
+        saving.save_remote(self.comm, self.comm.dense_names, dirname, mode)
         self._reload()
 
     def barrier(self, name: str) -> None:
@@ -147,7 +146,7 @@ class _RemoteSession:
         self._reload()
 
 
-class PSRuntime:
+class PSRuntime(TableCalls):
     """One process's part of a parameter-server job (the fleet's ``runtime``).
 
     Args:
@@ -171,14 +170,18 @@ class PSRuntime:
         self.is_server, self.index = is_server, index
         self.comm = comm or CommunicatorConfig()
         self.layout = ModelLayout.of(model, optimizer) if model is not None else None
+        if config is not None and self.layout is not None:  # every role fails at once
+            check_growth(self.layout.tables, config.mode)
         self.progress = Progress(index, log_interval)
         self.optimizer = PSOptimizer(self)
         self._session: Any = None
-        self._load_dir: Optional[str] = None
+        self._load_dir: Any = None  # a save folder, or a base and its deltas
+        self._var_names: Optional[list] = None
         self._lrs: dict[int, float] = {}
         self._stepped = False  # a step since the last evaluation forward
         self._trained = False  # any step at all
         self._start_chosen = False  # init_server was called: the starting weights are chosen
+        self._delta_blocked = False  # a save failed: no delta until a full save
 
     # -- the fleet's runtime interface -----------------------------------------------------
     def init_worker(self) -> None:
@@ -196,16 +199,22 @@ class PSRuntime:
         _log_to_stderr()  # the worker's log names its kernel backend, as a server's does
         if self.config is None:
             kernels.log_backend(log, "local tables")  # a job without servers has no KVClient
-            self._session = _LocalSession(layout, self._load_dir)
+            self._session = _LocalSession(layout, self._load_dir, self._var_names)
         else:
             self._session = _RemoteSession(layout, self.config, self.index, self.comm)
         layout.bind(self._session.backend)
         layout.release_initial_sparse()
         self._lrs = {g: self._group_lr(g) for g in layout.lr_groups()}
 
-    def init_server(self, dirname: Optional[str] = None, var_names: Any = None) -> None:
-        """Prepare to serve, from the checkpoint in ``dirname`` when given (written by
+    def init_server(self, dirname: Any = None, var_names: Any = None) -> None:
+        """Prepare to serve, from the save in ``dirname`` when given (written by
         ``save_persistables`` with the same number of servers, or any number).
+
+        Args:
+            dirname: a save folder; or a list: a base save (mode 0 or 1) and the deltas
+                (mode 2) written after it, in order, replayed one after the other.
+            var_names: load only these tables (sparse table names, ``dense.<group>``); the
+                others start as in a fresh job.
 
         In a job without servers this loads the checkpoint into the local tables instead
         (call it before ``init_worker``).
@@ -213,12 +222,18 @@ class PSRuntime:
         The checkpoint is read by ``run_server``: it must lie under the save root
         (``FLEETX_PS_SAVE_ROOT``, default the working directory), and every file is verified
         against its manifest; ``run_server`` raises ``PSConfigError`` for a folder outside the
-        root and :class:`fleetx.checkpoint.CheckpointError` naming any file that is missing,
-        damaged or from another save.
+        root or a ``var_names`` entry that is not a table of the save, and
+        :class:`fleetx.checkpoint.CheckpointError` naming any file that is missing, damaged or
+        from another save, and the manifests of saves that are not one chain.
+
+        Raises:
+            StateError: on a worker of a job with servers, or after the job started.
+            ValueError: ``var_names`` is not a list of names.
         """
-        if var_names is not None:
-            raise StateError("init_server(var_names=...) is not supported: a checkpoint is "
-                             "loaded whole")
+        if var_names is not None and (isinstance(var_names, str) or not all(
+                isinstance(n, str) for n in var_names)):
+            raise ValueError(f"init_server(var_names={var_names!r}): expected a list of table "
+                             "names")
         if not self.is_server and self.config is not None:
             raise StateError("init_server() runs on servers; this process is a worker")
         self._layout("init_server")
@@ -226,7 +241,8 @@ class PSRuntime:
             raise StateError("init_server() after the job started: in a job without servers "
                              "it loads the local tables, so call it before fleet.init_worker() "
                              "and before the first forward")
-        self._load_dir = dirname
+        self._load_dir = list(dirname) if isinstance(dirname, (list, tuple)) else dirname
+        self._var_names = None if var_names is None else list(var_names)
         self._start_chosen = True
 
     def run_server(self) -> None:
@@ -237,7 +253,7 @@ class PSRuntime:
             raise StateError("run_server() runs on servers; this process is a worker")
         _log_to_stderr()
         run_server(self.config, self.index, self._layout("run_server").tables,
-                   load_dir=self._load_dir)
+                   load_dir=self._load_dir, load_tables=self._var_names)
 
     def stop_worker(self) -> None:
         """Send what is queued, tell the servers this worker is done, disconnect."""
@@ -249,8 +265,16 @@ class PSRuntime:
         weights; on the other workers this does nothing. Saving again to ``dirname`` replaces
         the checkpoint atomically (until the new one is complete the previous one stays).
 
+        Args:
+            dirname: the save's folder (give each save of a base-and-deltas chain its own).
+            mode: 0 everything (each row's optimizer state, show/click statistics, pending
+                admission counts); 1 a base (weights); 2 a delta: the rows changed since the
+                previous save, and the ids removed since (``docs/ps_tables.md``).
+
         Raises:
-            StateError: ``mode`` other than 0.
+            ValueError: another ``mode``.
+            StateError: a delta with no full save (or load) before it, or after a save that
+                failed.
             PSConfigError: ``dirname`` is outside the servers' save root.
             fleetx.checkpoint.CheckpointError: a file of this worker or the commit cannot be
                 written (the previous checkpoint is kept).
@@ -258,12 +282,21 @@ class PSRuntime:
                 holds NaN or inf, or its files cannot be written; the previous checkpoint is
                 kept).
         """
-        if mode != 0:
-            raise StateError(f"save_persistables(mode={mode}): only full saves (mode 0) are "
-                             f"supported")
-        if self.index == 0 and not self.is_server:
-            self._started("save_persistables").save(dirname)
-            _say(f"saved to {os.path.abspath(dirname)}")
+        mode = saving.check_mode(mode)
+        if self.index != 0 or self.is_server:
+            return
+        if mode == 2 and self._delta_blocked:
+            raise StateError("save_persistables(mode=2): the previous save failed, so a delta "
+                             "would follow a save that was never committed; make a full save "
+                             "(mode 0 or 1) first")
+        try:
+            self._started("save_persistables").save(dirname, mode)
+        except BaseException:
+            self._delta_blocked = True
+            raise
+        if mode != 2:
+            self._delta_blocked = False
+        _say(f"saved to {os.path.abspath(dirname)}")
 
     def barrier(self, name: str = "") -> None:
         """Wait for every worker that has not stopped (through server 0)."""

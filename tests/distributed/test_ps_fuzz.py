@@ -112,7 +112,7 @@ def _mutate_push(rng, kind):
 
 def _invalid_request(rng) -> tuple[int, object, list, int]:
     """(kind, meta, bufs, flags) of a request the server must refuse."""
-    which = int(rng.integers(0, 9))
+    which = int(rng.integers(0, 10))
     if which <= 2:
         meta, bufs = _mutate_push(rng, Kind.PUSH)
         return Kind.PUSH, meta, bufs, 0
@@ -136,10 +136,14 @@ def _invalid_request(rng) -> tuple[int, object, list, int]:
         bad = [{"dirname": "../outside", "save_id": "s"}, {"dirname": "/etc", "save_id": "s"},
                {"dirname": "ok", "save_id": "../x"}, {"dirname": 7, "save_id": "s"},
                {"dirname": "ok", "save_id": ""}, {"dirname": "a/../../b", "save_id": "s"},
-               {"dirname": "ok"}, {"dirname": "x" * 5000, "save_id": "s"}]
+               {"dirname": "ok"}, {"dirname": "x" * 5000, "save_id": "s"},
+               {"dirname": "ok", "save_id": "s", "mode": pick(rng, [3, -1, True, "base", 1.5])},
+               {"dirname": "ok", "save_id": "s", "mode": 2}]  # a delta without a base
         return Kind.SAVE, bad[int(rng.integers(0, len(bad)))], [], 0
     if which == 7:
         return Kind.BARRIER, {"name": pick(rng, [5, ["a"], "n" * 201, None])}, [], 0
+    if which == 8:
+        return Kind.SHRINK, {"threshold": pick(rng, [-1, 1.5, "2", True, 1 << 40, [1]])}, [], 0
     kind = pick(rng, [Kind.PULL, Kind.PUSH, Kind.STATS, Kind.HELLO])
     if kind == Kind.HELLO:  # already registered: refused
         return Kind.HELLO, {"rank": 1}, [], 0
@@ -151,7 +155,7 @@ def _invalid_request(rng) -> tuple[int, object, list, int]:
 # ------------------------------------------------------------------ random frames (no HELLO)
 
 _KEYS = ["sparse", "dense", "lr", "rank", "name", "dirname", "save_id", "create", "force",
-         "tables", "pull_dense", "geo_pull", "fingerprint", "mode", "pid"]
+         "tables", "pull_dense", "geo_pull", "fingerprint", "mode", "pid", "threshold"]
 
 
 def _random_value(rng, depth=0):

@@ -29,7 +29,9 @@ ap.add_argument("--lr", type=float, default=0.1)
 ap.add_argument("--start", type=int, default=0)
 ap.add_argument("--steps", type=int, default=4)
 ap.add_argument("--save", default=None)
-ap.add_argument("--load", default=None)
+ap.add_argument("--save-at", action="append", default=[],
+                help="STEP:MODE:DIR: save_persistables(DIR, MODE) after step STEP")
+ap.add_argument("--load", default=None, help="a save folder, or base,delta,... (a chain)")
 ap.add_argument("--sleep-rank1", type=float, default=0.0)
 ap.add_argument("--stop-rank1-after", type=int, default=-1)
 args = ap.parse_args()
@@ -43,7 +45,7 @@ opt = fleet.distributed_optimizer(make_optimizer(args.optimizer, model.parameter
                                   strategy)
 
 if fleet.is_server():
-    fleet.init_server(args.load)
+    fleet.init_server(args.load.split(",") if args.load and "," in args.load else args.load)
     fleet.run_server()
     sys.exit(0)
 
@@ -75,6 +77,10 @@ for step in range(args.start, args.start + args.steps):
     loss = loss_of(model, *batch(step, rank, nranks))
     opt.minimize(loss)
     losses.append(loss.item())
+    for at in args.save_at:
+        at_step, mode, dirname = at.split(":", 2)
+        if int(at_step) == step:
+            fleet.save_persistables(dirname, mode=int(mode))
 if args.save:
     fleet.save_persistables(args.save)
 eval_after = evaluate()

@@ -1,5 +1,6 @@
 """The kernel backends are visible and safe: index preconditions (an empty slots array crashed
-the C probe, a full table made it spin forever with the GIL released), the backend named in
+the C probe, a full table made it spin forever with the GIL released), deletion and relinking
+in a crowded index, the backend named in
 server and worker logs and in ``fleet.explain()``, and one warning on the numpy fallback.
 
 The crash and hang cases run in a subprocess with a timeout, so that a regression fails the
@@ -28,42 +29,50 @@ def run_python(code: str, timeout: float = 60):
                           text=True, timeout=timeout)
 
 
-def full_slots(cap=4):
-    """An index whose every slot holds a key (0 .. cap-1): the probe for any other key visits
-    every slot and finds neither the key nor an empty slot."""
-    slots = np.empty(2 * cap, np.int64)
-    slots[0::2], slots[1::2] = np.arange(cap), np.arange(cap)
-    return slots
+def full_index(cap=4, avoid=99):
+    """An index whose every slot holds a key (0 .. cap-1), each with its own tag, so that it
+    finds them; ``avoid``'s tag is in none of them, so the probe for ``avoid`` visits every slot
+    and finds neither the key nor an empty slot."""
+    keys = np.arange(cap, dtype=np.int64)
+    lay = kernels._Layout(cap)
+    _, tags = lay.hash(keys)
+    _, bad = lay.hash(np.array([avoid], np.int64))
+    assert bad[0] not in tags
+    return tags | np.arange(cap, dtype=np.uint32), keys
 
 
 # Every call below crashed (empty slots) or never returned (full table) before the checks.
 CASES = {
-    "find-empty-slots": "f(np.empty(0, np.int64), keys, out)",
-    "insert-empty-slots": "i(np.empty(0, np.int64), np.empty(4, np.int64), keys, out, 0)",
-    "find-full-table": "f(full, keys, out)",
-    "insert-full-table": "i(full, np.empty(8, np.int64), keys, out, 0)",
+    "find-empty-slots": "f(np.empty(0, np.uint32), rk, keys, out)",
+    "insert-empty-slots": "i(np.empty(0, np.uint32), np.empty(4, np.int64), keys, out, 0)",
+    "find-full-table": "f(full, rk, keys, out)",
+    "insert-full-table": "i(full, np.zeros(8, np.int64), keys, out, 0)",
+    "find-damaged-slot": "f(np.full(3, damaged, np.uint32), rk[:2], keys, out)",
 }
 EXPECTED = {
-    "find-empty-slots": "index_find: slots must hold 2 * capacity int64 entries with the capacity "
-                        "a power of two >= 1; got 0 entries",
-    "insert-empty-slots": "index_insert: slots must hold 2 * capacity int64 entries with the "
-                          "capacity a power of two >= 1; got 0 entries",
+    "find-empty-slots": "index_find: slots must hold 1 to 2147483647 uint32 entries; got 0",
+    "insert-empty-slots": "index_insert: slots must hold 1 to 2147483647 uint32 entries; got 0",
     "find-full-table": "index_find: the index is full (all 4 slots taken) and a key is absent; "
                        "grow the slots before inserting",
     "insert-full-table": "index_insert: the index is full (all 4 slots taken) and a key is "
                          "absent; grow the slots before inserting",
+    "find-damaged-slot": "index_find: a slot names a row outside row_keys (a damaged index)",
 }
 
 
 def _case_code(entry: str, backend: str, case: str) -> str:
     pick = ("from fleetx.ps import _kernels as k" if entry == "extension" else
             f"from fleetx.ps import kernels as k; k.set_backend({backend!r})")
+    full = full_index()
+    _, tag = kernels._Layout(3).hash(np.array([99], np.int64))  # 99's tag, in 3 slots
     return f"""
         import numpy as np
         {pick}
-        f, i = k.index_find, k.index_insert
+        f, i, EMPTY = k.index_find, k.index_insert, 0xFFFFFFFF
         keys, out = np.array([99], np.int64), np.empty(1, np.int64)
-        full = np.empty(8, np.int64); full[0::2] = full[1::2] = np.arange(4)
+        full = np.array({full[0].tolist()}, np.uint32)
+        rk = np.array({full[1].tolist()}, np.int64)
+        damaged = {int(tag[0]) | 3}  # 99's tag and row 3, past the 2 rows of rk[:2]
         try:
             {CASES[case]}
         except ValueError as e:
@@ -88,17 +97,20 @@ def test_the_extension_itself_refuses_what_crashed_or_hung(case):
 
 
 def test_a_full_table_still_finds_the_keys_it_holds(backend):
+    slots, keys = full_index()
     out = np.empty(4, np.int64)
-    assert kernels.index_find(full_slots(), np.array([3, 0, 2, 1]), out) == 0
+    assert kernels.index_find(slots, keys, np.array([3, 0, 2, 1]), out) == 0
     assert out.tolist() == [3, 0, 2, 1]
 
 
+EMPTY8 = np.full(8, kernels.EMPTY, np.uint32)
+
+
 @pytest.mark.parametrize("args, error", [
-    ((np.zeros(6, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)),
-     "index_find: slots must hold 2 \\* capacity int64 entries with the capacity a power of two "
-     ">= 1; got 6 entries"),
-    ((np.full(7, -1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64)), "got 7 entries"),
-    ((np.full(8, -1, np.int64), np.zeros(3, np.int64), np.zeros(2, np.int64)),
+    ((np.zeros(0, np.uint32), np.zeros(1, np.int64), np.zeros(1, np.int64),
+      np.zeros(1, np.int64)),
+     "index_find: slots must hold 1 to 2147483647 uint32 entries; got 0"),
+    ((EMPTY8, np.zeros(1, np.int64), np.zeros(3, np.int64), np.zeros(2, np.int64)),
      "index_find: out holds 2 rows, fewer than the 3 keys"),
 ])
 def test_find_preconditions_are_named(backend, args, error):
@@ -109,15 +121,63 @@ def test_find_preconditions_are_named(backend, args, error):
 def test_wrong_dtypes_are_named(backend):
     with pytest.raises(TypeError, match="index_find: keys must be a contiguous 1-D int64 array; "
                                         "got int32 of shape \\(2,\\)"):
-        kernels.index_find(np.full(8, -1, np.int64), np.zeros(2, np.int32), np.zeros(2, np.int64))
+        kernels.index_find(EMPTY8, np.zeros(1, np.int64), np.zeros(2, np.int32),
+                           np.zeros(2, np.int64))
+    with pytest.raises(TypeError, match="index_find: slots must be a contiguous 1-D uint32 "
+                                        "array; got int64 of shape \\(8,\\)"):
+        kernels.index_find(np.full(8, -1, np.int64), np.zeros(1, np.int64),
+                           np.zeros(2, np.int64), np.zeros(2, np.int64))
 
 
 def test_insert_without_room_writes_nothing(backend):
-    slots, row_keys = np.full(8, -1, np.int64), np.full(2, 7, np.int64)
+    slots, row_keys = EMPTY8.copy(), np.full(2, 7, np.int64)
     with pytest.raises(ValueError, match="index_insert: not enough room for 3 keys from row 0 "
-                                         "\\(row_keys holds 2, the slots 4\\)"):
+                                         "\\(row_keys holds 2, the slots 8\\)"):
         kernels.index_insert(slots, row_keys, np.arange(3), np.empty(3, np.int64), 0)
-    assert (slots == -1).all() and (row_keys == 7).all()
+    assert (slots == kernels.EMPTY).all() and (row_keys == 7).all()
+
+
+def test_removing_keys_keeps_every_other_key_findable(backend):
+    """Backward-shift deletion in a crowded index (load 0.75, long probe runs): after each
+    removal every remaining key is found and no removed key is."""
+    rng = np.random.default_rng(3)
+    keys = np.unique(rng.integers(-2 ** 63, 2 ** 63 - 1, 300, np.int64))
+    slots, row_keys = np.full(400, kernels.EMPTY, np.uint32), keys.copy()
+    out = np.empty(len(keys), np.int64)
+    assert kernels.index_insert(slots, row_keys, keys, out, 0) == len(keys)
+    gone = rng.permutation(keys)[:150]
+    for part in np.array_split(gone, 5):
+        assert kernels.index_remove(slots, row_keys, part) == len(part)
+        kept = np.setdiff1d(keys, gone[:np.flatnonzero(gone == part[-1])[0] + 1])
+        assert kernels.index_find(slots, row_keys, kept, np.empty(len(kept), np.int64)) == 0
+        missing = np.empty(len(part), np.int64)
+        assert kernels.index_find(slots, row_keys, part, missing) == len(part)
+    assert kernels.index_remove(slots, row_keys, gone[:3]) == 0  # already gone: skipped
+    assert int((slots != kernels.EMPTY).sum()) == len(keys) - len(gone)
+
+
+def test_relink_points_a_key_at_its_new_row(backend):
+    keys = np.array([10, 20, 30], np.int64)
+    slots, row_keys = EMPTY8.copy(), np.zeros(4, np.int64)
+    kernels.index_insert(slots, row_keys, keys, np.empty(3, np.int64), 0)
+    row_keys[3] = 30  # the caller copied key 30 to row 3; its slot still names row 2
+    kernels.index_relink(slots, row_keys, np.array([30]), np.array([3]))
+    out = np.empty(3, np.int64)
+    kernels.index_find(slots, row_keys, keys, out)
+    assert out.tolist() == [0, 1, 3]
+    with pytest.raises(KeyError, match="index_relink: a key is not in the index"):
+        kernels.index_relink(slots, row_keys, np.array([99]), np.array([0]))
+
+
+def test_rebuild_indexes_rows_in_place(backend):
+    keys = np.array([5, -5, 2 ** 62], np.int64)
+    slots = np.full(5, kernels.EMPTY, np.uint32)
+    kernels.index_rebuild(slots, keys, 3)
+    out = np.empty(3, np.int64)
+    assert kernels.index_find(slots, keys, keys[::-1].copy(), out) == 0
+    assert out.tolist() == [2, 1, 0]
+    with pytest.raises(ValueError, match="index_rebuild: 5 rows do not fit"):
+        kernels.index_rebuild(np.full(5, kernels.EMPTY, np.uint32), np.zeros(5, np.int64), 5)
 
 
 # -- the backend is named ----------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """A server checks every request before it touches a table (servers on threads, real loopback
 sockets, requests built by hand where the client would refuse to send them): a malformed sync
 push never takes the other worker's push down with it, non-finite gradients are refused or
-skipped, learning rates are bounded, SAVE stays under its root, tables have a row limit, and
-refused requests are counted and logged without flooding the log."""
+skipped, learning rates are bounded, SAVE stays under its root and takes only its modes (a delta
+only after a base), SHRINK only a valid threshold, tables have a row limit, and refused requests
+are counted and logged without flooding the log."""
 import dataclasses
 import logging
 import re
@@ -162,3 +163,32 @@ def test_hello_with_a_rank_that_is_not_a_valid_integer_is_refused_naming_it(clus
     with pytest.raises(PSConfigError, match=rf"HELLO: worker rank {re.escape(repr(rank))} is not "
                                           r"an integer in \[0, 1\)"):
         reply.wait(10)
+
+
+@pytest.mark.parametrize("meta, error", [
+    ({"threshold": -1}, r"SHRINK: 'threshold' must be null or an int in \[0, 2\*\*24\), got -1"),
+    ({"threshold": 2.5}, r"got 2.5"), ({"threshold": True}, r"got True"),
+    ({"threshold": "3"}, r"got '3'"),
+])
+def test_shrink_takes_only_a_valid_threshold(cluster, meta, error):
+    server, (c,) = cluster()
+    with pytest.raises(RemoteError, match=error):
+        send(c, Kind.SHRINK, meta).wait(10)
+    reply, = send(c, Kind.SHRINK, {"threshold": None}).wait(10)  # a valid one is answered
+    assert reply.meta == {"tables": {"emb": {"removed": 0, "forgotten": 0, "rows": 0}}}
+    assert server.stats()["rejected_by_kind"] == {"SHRINK": 1}
+
+
+@pytest.mark.parametrize("meta, error", [
+    ({"mode": 3}, r"SAVE: 'mode' must be one of \(0, 1, 2, 'export'\), got 3"),
+    ({"mode": True}, r"got True"), ({"mode": "base"}, r"got 'base'"),
+    ({"mode": 2}, r"SAVE: a delta \(mode 2\) needs a base: make a full save"),
+])
+def test_save_takes_only_its_modes_and_a_delta_only_after_a_base(cluster, tmp_path, meta,
+                                                                 error):
+    server, (c,) = cluster()
+    with pytest.raises(RemoteError, match=error):
+        send(c, Kind.SAVE, {"dirname": "ckpt", "save_id": "s1", **meta}).wait(10)
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+    send(c, Kind.SAVE, {"dirname": "ckpt", "save_id": "s2", "mode": 1}).wait(10)
+    send(c, Kind.SAVE, {"dirname": "d", "save_id": "s3", "mode": 2}).wait(10)  # now accepted

@@ -10,7 +10,8 @@ from fleetx.ps.api import PSConfigError, InitConfig, RuleConfig, SparseTableSpec
 from fleetx.ps.initializers import initial_rows
 from fleetx.ps.partition import dense_ranges, route, server_of, shard_of
 from fleetx.ps.rules import make_rule
-from fleetx.ps.table import IdIndex, SparseTable
+from fleetx.ps.index import IdIndex
+from fleetx.ps.table import SparseTable
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ps_backends import backend  # noqa: E402,F401 (a fixture)
