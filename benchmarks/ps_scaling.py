@@ -8,7 +8,7 @@ cores and network bandwidth. Subcommands:
             server's share of the ids over the mean, for Zipf-skewed ids at several skews and
             for the CTR workload's own ids, at several numbers of servers; with and without
             the client's per-batch de-duplication (which is what makes hot ids cheap);
-``memory``  bytes a table holds per row, per rule (traced allocations at ``--rows`` rows);
+``memory``  bytes a table holds per row, per rule (``ps_memory.py`` in a fresh process, ``--rows``);
 ``inputs``  everything the model needs, into one JSON (``--out``): one shard's kernel rates
             and the fixed CPU of a request (``benchmarks/ps_table.py``), the worker's compute
             (``ps_ctr.py local``), one job per mode with 1 server and 1 worker
@@ -33,16 +33,14 @@ import json
 import os
 import subprocess
 import sys
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
 
 import ps_model as pm
-from fleetx.ps.api import InitConfig, PSConfig, RuleConfig, SparseTableSpec
+from fleetx.ps.api import PSConfig, RuleConfig
 from fleetx.ps.partition import server_of
 from fleetx.ps.rules import make_rule
-from fleetx.ps.table import SparseTable
 
 HERE = Path(__file__).resolve().parent
 SHARD_NUM = PSConfig(("127.0.0.1:1",), 1).shard_num      # the default a job runs with
@@ -117,19 +115,21 @@ def cmd_partition(args) -> None:
 
 # -- memory: bytes per row per rule -------------------------------------------------------------
 def bytes_per_row(rule: str, rows: int, dim: int = DIM) -> dict:
-    """A table of ``rows`` rows under ``rule``: bytes its allocations hold per row (traced:
-    what is held after filling it; peak: during its last growth), its own ``nbytes`` report,
-    and the raw size of a row (weights, rule state, int64 key)."""
-    keys = np.random.default_rng(0).integers(1, 2 ** 63 - 1, size=rows, dtype=np.int64)
-    spec = SparseTableSpec("t", dim, RuleConfig(rule), InitConfig("uniform"))
-    tracemalloc.start()
-    table = SparseTable(spec, make_rule(spec.rule))
-    for lo in range(0, rows, 1 << 16):
-        table.pull(keys[lo:lo + (1 << 16)])
-    held, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return {"rows": rows, "held": held / rows, "peak": peak / rows,
-            "nbytes": table.nbytes / rows, "raw": 4 * table.width + 8}
+    """A table of ``rows`` rows under ``rule``, filled in a fresh process by
+    ``benchmarks/ps_memory.py`` (the one measurement of a table's memory): ``held`` is the
+    resident memory the process gained per row once the allocator returned its free memory
+    (``rss_trimmed``; at small row counts page granularity makes it noisy, so it is never taken
+    below the table's own accounting, ``nbytes``), ``peak`` the peak resident memory per row
+    while filling it, ``raw`` a row's weights, rule state and int64 key."""
+    out = subprocess.run([sys.executable, str(HERE / "ps_memory.py"), "--case", rule,
+                          "--rows", str(rows), "--dim", str(dim)], capture_output=True,
+                         text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"ps_memory.py --case {rule}: {out.stderr[-2000:]}")
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    held = max(m["rss_trimmed_per_row"], m["nbytes_per_row"])
+    return {"rows": rows, "held": held, "peak": m["peak_rss_per_row"],
+            "nbytes": m["nbytes_per_row"], "raw": m["raw_bytes_per_row"] + 8}
 
 
 def base_bytes() -> int:
