@@ -359,6 +359,9 @@ def test_a_slow_generator_streams_and_stops(tmp_path, kind):
     stream = iter(q)
     assert next(stream)["ids"].values.tolist() == [5]  # not held back for a full chunk
     sleeper = descendants("sleep")
+    while not sleeper and time.monotonic() - start < 20:  # the shell execs sleep after echo
+        time.sleep(0.05)
+        sleeper = descendants("sleep")
     assert len(sleeper) == 1 and time.monotonic() - start < 20
     stream.close()  # the reader waits on a silent command: closing kills it
     assert time.monotonic() - start < 30 and not alive(sleeper[0])
