@@ -19,6 +19,11 @@ in place). Then:
 A worker prints ``samples/s`` and the mean loss every ``log_interval`` seconds, and says where
 it saved (``saved to <path>``) and, alone, where it loaded from (``loaded from <path>``).
 
+:meth:`PSRuntime.init_inference` (``DistributedInfer.init_distributed_infer_env``) turns any
+role to inference (:mod:`.inference`): servers of an inference-only job serve a save read-only,
+workers read with lookups that never create rows, and a worker that trained first sends what it
+holds and meets the others before it reads.
+
 A script run alone (plain ``python``, no servers) that calls ``init_server(dirname)`` only in
 its server branch never loads the checkpoint: that branch does not run. Evaluating such a
 never-trained, never-loaded model would silently score the initial weights, so the first
@@ -39,6 +44,7 @@ from fleetx.checkpoint import SaveWriter
 from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint, kernels
 from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
+from fleetx.ps_torch.inference import NO_STEP, InferenceSession
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.progress import CountedModel, Progress
 from fleetx.ps.rules import make_rule
@@ -137,6 +143,10 @@ class _RemoteSession:
             if names:
                 self.layout.load_dense(self.comm.client.pull(dense=names).wait().dense)
 
+    def to_inference(self) -> InferenceSession:
+        """Flush, tell the servers, meet the other workers; then read only."""
+        return InferenceSession.after_training(self.layout, self.comm)
+
     def _reload(self) -> None:
         if self.mode == PSMode.GEO:  # a flush exchanged pending steps into the last params
             self.layout.load_dense(self._params)
@@ -179,6 +189,7 @@ class PSRuntime:
         self._stepped = False  # a step since the last evaluation forward
         self._trained = False  # any step at all
         self._start_chosen = False  # init_server was called: the starting weights are chosen
+        self._inference = False  # init_inference was called: reads only
 
     # -- the fleet's runtime interface -----------------------------------------------------
     def init_worker(self) -> None:
@@ -229,15 +240,53 @@ class PSRuntime:
         self._load_dir = dirname
         self._start_chosen = True
 
-    def run_server(self) -> None:
-        """Serve until every worker stopped. Raises the error naming a lost worker."""
+    def run_server(self, read_only: bool = False) -> None:
+        """Serve until every worker stopped (``read_only``: an inference-only job). Raises the
+        error naming a lost worker."""
         if not self.is_server:
             if self.config is None:
                 return  # no servers: this process trains alone
             raise StateError("run_server() runs on servers; this process is a worker")
         _log_to_stderr()
         run_server(self.config, self.index, self._layout("run_server").tables,
-                   load_dir=self._load_dir)
+                   load_dir=self._load_dir, read_only=read_only)
+
+    def init_inference(self, dirname: Optional[str] = None) -> None:
+        """Turn this process to inference (``DistributedInfer.init_distributed_infer_env``).
+
+        * a server of a job that has not served yet serves ``dirname`` read-only until every
+          worker stopped (it returns then);
+        * a worker that has not started joins such a job as a reader (no servers: it loads
+          ``dirname`` into its local tables); one that trained sends what it holds, tells the
+          servers, and meets the other workers before it reads (:mod:`.inference`);
+        * from then on lookups never create rows and an optimizer step raises ``StateError``.
+
+        Raises:
+            StateError: a server without ``dirname`` (it would serve untrained tables), or a
+                worker of a one-process job given ``dirname`` after it started.
+        """
+        if self.is_server:
+            if not dirname:
+                raise StateError("init_distributed_infer_env(dirname=None) on a server of an "
+                                 "inference-only job: it would serve untrained tables; pass "
+                                 "the folder save_persistables wrote")
+            self.init_server(dirname)
+            return self.run_server(read_only=True)
+        if self._inference:
+            return
+        if self._session is None:
+            if self.config is None:
+                if dirname:
+                    self.init_server(dirname)
+                self.init_worker()
+            else:
+                self._session = InferenceSession.connect(self._layout("init_inference"),
+                                                         self.config, self.index)
+                self.layout.bind(self._session.backend)
+        elif isinstance(self._session, _RemoteSession):
+            self._session = self._started("init_inference").to_inference()
+            self.layout.bind(self._session.backend)
+        self._inference = True
 
     def stop_worker(self) -> None:
         """Send what is queued, tell the servers this worker is done, disconnect."""
@@ -275,6 +324,8 @@ class PSRuntime:
     def step(self) -> None:
         """One optimizer step (called by :class:`PSOptimizer`)."""
         session = self._started("step")
+        if self._inference:
+            raise StateError(NO_STEP)
         self._sync_lr()
         session.step(self.inner)
         self._stepped = self._trained = True
