@@ -44,6 +44,8 @@ from fleetx.checkpoint import SaveWriter
 from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint, kernels
 from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
+from fleetx.ps_torch.heter import attach, detach
+from fleetx.ps_torch.heter_worker import HeterWorker, heter_device
 from fleetx.ps_torch.inference import NO_STEP, InferenceSession
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.progress import CountedModel, Progress
@@ -100,16 +102,22 @@ class _LocalSession:
 
 
 class _RemoteSession:
-    """A worker connected to the servers through the communicator of the job's mode."""
+    """A worker connected to the servers through the communicator of the job's mode (and, in a
+    heter job, to its heter worker, which runs the model's sections and pushes their tables)."""
 
     def __init__(self, layout: ModelLayout, config: PSConfig, rank: int,
                  comm: CommunicatorConfig) -> None:
-        self.layout, self.mode, self.stopped = layout, config.mode, False
+        heter = bool(config.num_heter_workers and layout.heter)
+        self.full, self.mode, self.stopped = layout, config.mode, False
+        self.layout = layout.restricted([n for n, _ in layout.dense
+                                         if n not in layout.heter_tables()]) if heter else layout
         self.comm = make_communicator(config, rank, layout.tables, comm)
         self.backend = RemoteSparseBackend(self.comm)
         initial = layout.initial_sparse() if rank == 0 else None
+        # worker 0 assigns every table's start, the heter sections' too
         self._params = self.comm.start(layout.dense_values(), initial)
-        layout.load_dense(self._params)
+        self.layout.load_dense(self._params)
+        self.heter = attach(layout.heter, config, rank, layout.tables) if heter else None
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         geo = self.mode == PSMode.GEO
@@ -121,6 +129,8 @@ class _RemoteSession:
         self.layout.load_dense(params)
         self._params = params
         self.backend.clear()
+        if self.heter is not None:  # after the servers' round: a stalled peer is named there
+            self.heter.step()
 
     def set_lr(self, lr: float, tables: list) -> None:
         self.comm.set_lr(lr, tables)
@@ -144,8 +154,12 @@ class _RemoteSession:
                 self.layout.load_dense(self.comm.client.pull(dense=names).wait().dense)
 
     def to_inference(self) -> InferenceSession:
-        """Flush, tell the servers, meet the other workers; then read only."""
-        return InferenceSession.after_training(self.layout, self.comm)
+        """Flush, tell the servers, meet the other workers; then read only (the heter
+        sections run here from now on)."""
+        if self.heter is not None:
+            self.heter.stop()
+            detach(self.full.heter)
+        return InferenceSession.after_training(self.full, self.comm)
 
     def _reload(self) -> None:
         if self.mode == PSMode.GEO:  # a flush exchanged pending steps into the last params
@@ -153,7 +167,11 @@ class _RemoteSession:
 
     def stop(self) -> None:
         self.stopped = True
-        self.comm.stop()
+        try:
+            if self.heter is not None:
+                self.heter.stop()
+        finally:
+            self.comm.stop()
         self._reload()
 
 
@@ -168,6 +186,8 @@ class PSRuntime:
         index: this worker's rank, or this server's index.
         comm: the worker's sending knobs (``a_sync_configs``).
         log_interval: seconds between a worker's progress lines (0: none).
+        heter_device: on a heter worker, ``heter_worker_device_guard`` (``index`` is then its
+            index among the heter workers); None on every other role.
 
     Example:
         >>> runtime = PSRuntime(model, opt, config, is_server=False, index=0)  # doctest: +SKIP
@@ -176,9 +196,10 @@ class PSRuntime:
 
     def __init__(self, model: Optional[nn.Module], optimizer: torch.optim.Optimizer,
                  config: Optional[PSConfig], *, is_server: bool, index: int,
-                 comm: Optional[CommunicatorConfig] = None, log_interval: float = 10.0) -> None:
+                 comm: Optional[CommunicatorConfig] = None, log_interval: float = 10.0,
+                 heter_device: Optional[str] = None) -> None:
         self.model, self.inner, self.config = model, optimizer, config
-        self.is_server, self.index = is_server, index
+        self.is_server, self.index, self.heter_device = is_server, index, heter_device
         self.comm = comm or CommunicatorConfig()
         self.layout = ModelLayout.of(model, optimizer) if model is not None else None
         self.progress = Progress(index, log_interval)
@@ -198,9 +219,10 @@ class PSRuntime:
         Raises:
             StateError: on a server, twice, or before ``fleet.distributed_model``.
         """
-        if self.is_server:
-            raise StateError("init_worker() runs on workers; this process is a server "
-                             "(call fleet.init_server() and fleet.run_server())")
+        if self.is_server or self.is_heter:
+            raise StateError(f"init_worker() runs on workers; this process is a "
+                             f"{'heter worker' if self.is_heter else 'server'} (call "
+                             "fleet.init_server() and fleet.run_server())")
         if self._session is not None:
             raise StateError("init_worker() was already called")
         layout = self._layout("init_worker")
@@ -230,7 +252,7 @@ class PSRuntime:
         if var_names is not None:
             raise StateError("init_server(var_names=...) is not supported: a checkpoint is "
                              "loaded whole")
-        if not self.is_server and self.config is not None:
+        if not self.is_server and not self.is_heter and self.config is not None:
             raise StateError("init_server() runs on servers; this process is a worker")
         self._layout("init_server")
         if self.config is None and self._session is not None:
@@ -243,6 +265,8 @@ class PSRuntime:
     def run_server(self, read_only: bool = False) -> None:
         """Serve until every worker stopped (``read_only``: an inference-only job). Raises the
         error naming a lost worker."""
+        if self.is_heter:
+            return self._run_heter()
         if not self.is_server:
             if self.config is None:
                 return  # no servers: this process trains alone
@@ -265,6 +289,11 @@ class PSRuntime:
             StateError: a server without ``dirname`` (it would serve untrained tables), or a
                 worker of a one-process job given ``dirname`` after it started.
         """
+        if self.is_heter:  # inference runs the sections on the workers
+            _log_to_stderr()
+            log.info("heter worker %d: inference runs the heter sections on the workers; "
+                     "nothing to serve", self.index)
+            return
         if self.is_server:
             if not dirname:
                 raise StateError("init_distributed_infer_env(dirname=None) on a server of an "
@@ -319,6 +348,19 @@ class PSRuntime:
         session = self._started("barrier")
         if hasattr(session, "barrier"):
             session.barrier(name)
+
+    @property
+    def is_heter(self) -> bool:
+        """This process is a heter worker."""
+        return self.heter_device is not None
+
+    def _run_heter(self) -> None:
+        """A heter worker's ``run_server``: serve the sections until its trainers stopped."""
+        _log_to_stderr()
+        device, note = heter_device(self.heter_device)
+        log.info("heter worker %d: %s", self.index, note)
+        HeterWorker(self.config, self.index, self._layout("run_server"), self.comm,
+                    device).run()
 
     # -- hooks the strategy installs ---------------------------------------------------------
     def step(self) -> None:
