@@ -13,7 +13,10 @@ One thread owns the sections and handles every request in arrival order (``_serv
 * ``HETER_FORWARD``: run the section on the inputs (on the chosen device); a training forward
   keeps its graph (at most :data:`MAX_PENDING` per trainer) until its ``HETER_BACKWARD``;
 * ``HETER_BACKWARD``: back-propagate the outputs' gradients, answer the inputs' gradients; the
-  parameters' gradients accumulate;
+  parameters' gradients accumulate. A forward runs on the weights of the moment
+  (:class:`_Section`: fresh tensors after every push, never changed in place), so in async
+  mode a graph still waiting for its backward when another trainer's step loads new weights
+  back-propagates through the weights its forward used, as any async worker's gradient does;
 * ``HETER_STEP``: async mode pushes the accumulated gradients at once and answers; sync mode
   (lock-step) answers every trainer once all of them reported the step, after pushing the sum
   of their gradients divided by their number, exactly as the servers average the trainers'
@@ -89,6 +92,43 @@ class _Lost:
         self.reason = reason
 
 
+class _Section:
+    """A section's module and the parameter tensors its forwards run on.
+
+    The tensors are replaced (never changed in place) when new weights arrive, so a graph that
+    still waits for its backward keeps the weights its forward saw; its backward leaves the
+    gradients on those tensors, and :meth:`collect` adds them to the step's sums.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.sums: dict[str, torch.Tensor] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Forwards from now on use the module's current weights."""
+        self.weights = {n: p.detach().clone().requires_grad_(p.requires_grad)
+                        for n, p in self.module.named_parameters()}
+
+    def __call__(self, inputs: list) -> tuple:
+        return _as_tuple(torch.func.functional_call(self.module, self.weights, tuple(inputs)))
+
+    @torch.no_grad()
+    def collect(self, weights: dict) -> None:
+        """Add the gradients a backward left on ``weights`` (a forward's) to the sums."""
+        for n, w in weights.items():
+            if w.grad is not None:
+                self.sums[n] = self.sums[n] + w.grad if n in self.sums else w.grad
+                w.grad = None
+
+    def hand_over(self) -> None:
+        """Put the sums where the layout reads gradients (the parameters' ``grad``), and
+        start new ones."""
+        for n, p in self.module.named_parameters():
+            p.grad = self.sums.get(n)
+        self.sums = {}
+
+
 class _Trainer:
     """A registered trainer: its link, the graphs waiting for backward, its step count."""
 
@@ -126,7 +166,7 @@ class HeterWorker:
             raise PSConfigError("heter workers train in sync or async mode, not GEO")
         self.config, self.index, self.device = config, index, device
         self.name = f"heter worker {index} ({config.heter_workers[index]})"
-        self.sections = {n: s.module.to(device) for n, s in layout.heter.items()}
+        self.sections = {n: _Section(s.module.to(device)) for n, s in layout.heter.items()}
         self.layout = layout.restricted(layout.heter_tables())
         self.lockstep = config.mode == PSMode.SYNC
         self.expected = [r for r in range(config.num_workers)
@@ -158,6 +198,8 @@ class HeterWorker:
         # the trainers' worker 0 assigns the same values; whichever comes first counts
         self.layout.load_dense(self.comm.start(self.layout.dense_values(), assign=True,
                                                meet=False))
+        for section in self.sections.values():
+            section.refresh()
         host, port = endpoint_of(self.config.heter_workers, self.index)
         key = require_secret(self.config, host, self.name)
         self._heartbeats = Heartbeats(self.config.heartbeat_interval)
@@ -291,8 +333,8 @@ class HeterWorker:
 
     def _on_forward(self, link: Link, t: _Trainer, msg: Message) -> Message:
         m = msg.meta
-        module = self.sections.get(m.get("section"))
-        if module is None:
+        section = self.sections.get(m.get("section"))
+        if section is None:
             raise RequestError(f"HETER_FORWARD: unknown section {str(m.get('section'))[:60]}; "
                                f"known: {', '.join(self.sections)}")
         train, step, seq, wants = m.get("train"), m.get("step"), m.get("seq"), m.get("grad")
@@ -308,15 +350,15 @@ class HeterWorker:
             raise RequestError("HETER_FORWARD: 'grad' must hold one boolean per input, true "
                                "only for floating-point inputs")
         inputs = [x.to(self.device).requires_grad_(w) for x, w in zip(inputs, wants)]
-        module.train(train)
+        if train and (seq in t.pending or len(t.pending) >= MAX_PENDING):
+            raise RequestError(f"HETER_FORWARD: {t.name} has {len(t.pending)} forwards waiting "
+                               f"for their backward (at most {MAX_PENDING}), or reuses sequence "
+                               f"number {seq}")
+        section.module.train(train)
         with torch.set_grad_enabled(train):
-            outputs = _as_tuple(module(*inputs))
+            outputs = section(inputs)
         if train:
-            if seq in t.pending or len(t.pending) >= MAX_PENDING:
-                raise RequestError(f"HETER_FORWARD: {t.name} has {len(t.pending)} forwards "
-                                   f"waiting for their backward (at most {MAX_PENDING}), or "
-                                   f"reuses sequence number {seq}")
-            t.pending[seq] = (inputs, outputs, wants)
+            t.pending[seq] = (inputs, outputs, wants, section, section.weights)
         shapes, bufs = pack(outputs, "output")
         return msg.reply({"shapes": shapes}, bufs)
 
@@ -325,7 +367,7 @@ class HeterWorker:
         if type(seq) is not int or seq not in t.pending:
             raise RequestError(f"HETER_BACKWARD: no training forward {str(seq)[:20]} of {t.name} "
                                "waits for its backward")
-        inputs, outputs, wants = t.pending.pop(seq)
+        inputs, outputs, wants, section, weights = t.pending.pop(seq)
         grads = unpack(msg.meta.get("shapes"), msg.bufs, "HETER_BACKWARD gradient")
         if len(grads) != len(outputs) or any(g.shape != o.shape or g.dtype != o.dtype
                                              for g, o in zip(grads, outputs)):
@@ -334,6 +376,7 @@ class HeterWorker:
         pairs = [(o, g.to(self.device)) for o, g in zip(outputs, grads) if o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            section.collect(weights)
         back = [x.grad if x.grad is not None else torch.zeros_like(x)
                 for x, w in zip(inputs, wants) if w]
         shapes, bufs = pack(back, "input gradient")
@@ -386,13 +429,16 @@ class HeterWorker:
     def _push(self, trainers: int) -> None:
         """Send the sections' accumulated gradients (divided by ``trainers``: the mean of a
         lock-step) and load the weights the servers answer."""
+        for section in self.sections.values():
+            section.hand_over()
         params, grads = self.layout.dense_values(), self.layout.dense_grads()
         if trainers > 1:
             grads = {n: g * np.float32(1.0 / trainers) for n, g in grads.items()}
         _servers(lambda: self.comm.step(params, grads, {}))
         self.layout.load_dense(params)
-        for module in self.sections.values():
-            module.zero_grad(set_to_none=True)
+        for section in self.sections.values():
+            section.module.zero_grad(set_to_none=True)
+            section.refresh()
 
     # ------------------------------------------------------------------ liveness
     def _link_lost(self, link: Link, reason: str) -> None:
