@@ -20,6 +20,12 @@ job is inference-only, its servers serving the save read-only. Both print ``infe
 
     fleetrun --server_num 2 --worker_num 2 train.py --infer --save model
     fleetrun --server_num 2 --worker_num 2 train.py --infer --epochs 0 --resume model
+
+``--heter`` wraps the MLP in ``fleetx.nn.HeterSection`` (docs/heter.md): launched with heter
+workers, the trainers look the embeddings up and a heter worker runs the MLP, on its GPU when it
+has one (``heter_worker_device_guard="gpu"``; else on its CPU, as its log says):
+
+    fleetrun --server_num 1 --worker_num 2 --heter_worker_num 1 train.py --heter --mode async
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import data  # noqa: E402  (the example's own modules, beside this file)
 from model import WideAndDeep  # noqa: E402
 
 from fleetx import fleet, metrics  # noqa: E402
+from fleetx.nn import HeterSection  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +59,8 @@ def parse_args() -> argparse.Namespace:
                     help="exit with an error if the final held-out AUC is below this")
     ap.add_argument("--save", default=None, help="save the model here after training")
     ap.add_argument("--resume", default=None, help="start from a folder --save wrote")
+    ap.add_argument("--heter", action="store_true",
+                    help="the MLP is a HeterSection: heter workers run it (--heter_worker_num)")
     ap.add_argument("--infer", action="store_true",
                     help="score in inference mode: after training, or (--epochs 0) from --resume")
     args = ap.parse_args()
@@ -60,11 +69,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def strategy_for(mode: str, k_steps: int) -> fleet.DistributedStrategy:
+def strategy_for(mode: str, k_steps: int, heter: bool = False) -> fleet.DistributedStrategy:
     strategy = fleet.DistributedStrategy()
     strategy.a_sync = mode != "sync"
     if mode == "geo":
         strategy.a_sync_configs = {"k_steps": k_steps}
+    if heter:  # a heter worker without a GPU runs the MLP on its CPU, and says so
+        strategy.a_sync_configs = {"heter_worker_device_guard": "gpu"}
     return strategy
 
 
@@ -125,9 +136,12 @@ def main() -> None:
     fleet.init()
     train, held_out, vocabulary = data.load(args.seed)
     torch.manual_seed(args.seed)  # every role builds the same model
-    model = fleet.distributed_model(WideAndDeep(vocabulary))
+    net = WideAndDeep(vocabulary)
+    if args.heter:
+        net.mlp = HeterSection(net.mlp)
+    model = fleet.distributed_model(net)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
-                                      strategy_for(args.mode, args.k_steps))
+                                      strategy_for(args.mode, args.k_steps, args.heter))
     infer = fleet.utils.DistributedInfer(model)
     if not join(args, infer):
         return  # a server: it served until every worker stopped

@@ -179,6 +179,7 @@ class HeterWorker:
         self._waiting: list[tuple[_Trainer, Message]] = []  # STEP / BYE replies of this step
         self._reported: set[int] = set()
         self._step = 0  # lock-step: steps completed
+        self._pushes = 0
         self._step_since: Optional[float] = None
         self._error: Optional[PSError] = None  # a lost trainer or server: the run fails
         self._done = threading.Event()
@@ -218,6 +219,7 @@ class HeterWorker:
             self.comm.client.stop()
             raise self._error
         self.comm.stop()
+        log.info("%s: every trainer stopped (%d pushes); done", self.name, self._pushes)
 
     def _close(self) -> None:
         self._acceptor.close()
@@ -435,6 +437,7 @@ class HeterWorker:
         if trainers > 1:
             grads = {n: g * np.float32(1.0 / trainers) for n, g in grads.items()}
         _servers(lambda: self.comm.step(params, grads, {}))
+        self._pushes += 1
         self.layout.load_dense(params)
         for section in self.sections.values():
             section.module.zero_grad(set_to_none=True)
