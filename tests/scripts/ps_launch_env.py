@@ -7,7 +7,8 @@ then, by MODE:
 
 * ``finish``: workers exit 0; servers and heter workers sleep (fleetrun must stop them);
 * ``fail``: worker 1 exits 3 after a second; every other process sleeps;
-* ``fail-heter``: heter worker 0 exits 3 after a second; every other process sleeps;
+* ``fail-heter`` / ``fail-server``: heter worker 0 / server 0 exits 3 after a second; every
+  other process sleeps;
 * ``sleep``: every process sleeps.
 """
 import json
@@ -39,8 +40,9 @@ if mode == "fail" and role == "worker" and index == 1:
     time.sleep(1)
     print("worker 1 gives up: boom", file=sys.stderr, flush=True)
     sys.exit(3)
-if mode == "fail-heter" and role == "heter" and index == 0:
+if mode == f"fail-{role}" and role in ("heter", "server") and index == 0:
     time.sleep(1)
-    print("heter worker 0 gives up: boom", file=sys.stderr, flush=True)
+    print(f"{'heter worker' if role == 'heter' else role} 0 gives up: boom", file=sys.stderr,
+          flush=True)
     sys.exit(3)
 time.sleep(300)
