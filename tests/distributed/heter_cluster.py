@@ -113,8 +113,9 @@ def runtime(config: PSConfig, role: str, index: int, lr: float,
     return rt, model
 
 
-def train(config: PSConfig, rank: int, steps: int, lr: float) -> dict:
-    """A trainer: ``steps`` steps on its share, then inference (the MLP comes back)."""
+def train(config: PSConfig, rank: int, steps: int, lr: float, save: Optional[str] = None) -> dict:
+    """A trainer: ``steps`` steps on its share, then inference (the MLP comes back), then
+    (trainer 0, with ``save``) ``save_persistables(save)``."""
     rt, model = runtime(config, "worker", rank, lr)
     rt.init_worker()
     losses = []
@@ -125,9 +126,26 @@ def train(config: PSConfig, rank: int, steps: int, lr: float) -> dict:
         rt.zero_grad()
         losses.append(loss.item())
     rt.init_inference()
+    if save:
+        rt.save_persistables(save)
     out = weights(model)
     rt.stop_worker()
     return {"losses": np.array(losses), **out}
+
+
+def score(config: PSConfig, rank: int, lr: float) -> dict:
+    """A worker of an inference-only job: the weights it reads (the MLP runs here)."""
+    rt, model = runtime(config, "worker", rank, lr)
+    rt.init_inference()
+    out = weights(model)
+    rt.stop_worker()
+    return out
+
+
+def serve_save(config: PSConfig, dirname: str, lr: float) -> None:
+    """A server of an inference-only job, serving ``dirname`` read-only."""
+    rt, _ = runtime(config, "server", 0, lr)
+    rt.init_inference(dirname)
 
 
 def serve(config: PSConfig, role: str, lr: float, device_guard: str = "cpu") -> None:

@@ -36,14 +36,15 @@ def cluster(workers: int, mode: str = "sync") -> PSConfig:
                     heter_workers=(f"127.0.0.1:{h}",))
 
 
-def run_job(config: PSConfig, steps: int, guard: str = "cpu", before_trainers=None) -> dict:
+def run_job(config: PSConfig, steps: int, guard: str = "cpu", before_trainers=None,
+            save=None) -> dict:
     roles = hc.Roles()
     roles.start("server", lambda: hc.serve(config, "server", LR))
     roles.start("heter", lambda: hc.serve(config, "heter", LR, guard))
     if before_trainers:
         before_trainers(config)
     for r in range(config.num_workers):
-        roles.start(f"trainer {r}", lambda r=r: hc.train(config, r, steps, LR))
+        roles.start(f"trainer {r}", lambda r=r: hc.train(config, r, steps, LR, save))
     roles.join()
     assert not roles.errors, "\n".join(f"{k}:\n{v}" for k, v in roles.errors.items())
     return {r: roles.results[f"trainer {r}"] for r in range(config.num_workers)}
@@ -115,6 +116,23 @@ def test_strangers_are_refused_and_the_trainer_is_still_served_exactly():
     expected = hc.reference(3, LR)
     for key, value in expected.items():
         np.testing.assert_allclose(results[0][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_heter_jobs_save_loads_into_a_job_without_heter_workers(tmp_path):
+    config = dataclasses.replace(cluster(workers=2, mode="async"), save_root=str(tmp_path))
+    trained = run_job(config, steps=5, save=str(tmp_path / "ckpt"))
+    plain = dataclasses.replace(config, heter_workers=(), servers=(
+        f"127.0.0.1:{free_ports(1)[0]}",))
+    roles = hc.Roles()
+    roles.start("server", lambda: hc.serve_save(plain, str(tmp_path / "ckpt"), LR))
+    for r in range(2):
+        roles.start(f"worker {r}", lambda r=r: hc.score(plain, r, LR))
+    roles.join()
+    assert not roles.errors, roles.errors
+    for r in range(2):  # the MLP, now run by the workers, holds the weights the heter pushed
+        got = roles.results[f"worker {r}"]
+        for key, value in got.items():
+            np.testing.assert_array_equal(value, trained[0][key], err_msg=key)
 
 
 def test_async_heter_job_trains():

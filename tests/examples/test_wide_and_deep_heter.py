@@ -5,6 +5,7 @@ same data (held-out AUC within 0.01), and the heter worker's log says where it r
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -47,3 +48,15 @@ def test_async_heter_job_learns_as_the_job_without_heter_workers(tmp_path):
     # one push of the MLP's gradients per trainer step: 2 trainers x 2 epochs x 153 batches
     # of 128 from 19,537 rows each
     assert "every trainer stopped (612 pushes); done" in log
+
+
+@pytest.mark.slow
+def test_the_heter_benchmark_runs(tmp_path):
+    out = tmp_path / "heter.jsonl"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ps_heter.py"), "--rounds",
+                          "1", "--epochs", "1", "--limit", "2000", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(r"^round 1: heter / plain samples/s = \d+\.\d{3} ", res.stdout, re.M)
+    assert sorted(json.loads(line)["job"] for line in out.read_text().splitlines()
+                  ) == ["heter", "plain"]
