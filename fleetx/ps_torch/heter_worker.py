@@ -85,7 +85,7 @@ def heter_device(guard: str, cuda: Optional[bool] = None, xpu: Optional[bool] = 
     return torch.device("cpu"), "heter_worker_device_guard='cpu': CPU"
 
 
-class _Lost:
+class _LinkEnded:
     __slots__ = ("reason",)
 
     def __init__(self, reason: str) -> None:
@@ -253,7 +253,7 @@ class HeterWorker:
         self._heartbeats.discard(link)
         with self._links_lock:
             self._links.discard(link)
-        self._queue.put((link, _Lost(reason)))
+        self._queue.put((link, _LinkEnded(reason)))
 
     # ------------------------------------------------------------------ the handler thread
     def _serve(self) -> None:
@@ -263,7 +263,7 @@ class HeterWorker:
                 link, item = self._queue.get(timeout=0.25)
             except queue.Empty:
                 link = item = None
-            if isinstance(item, _Lost):
+            if isinstance(item, _LinkEnded):
                 self._link_lost(link, item.reason)
             elif item is not None:
                 self._dispatch(link, item)

@@ -184,12 +184,12 @@ class ParameterServerStrategy(Strategy):
     def apply(self, ctx: TrainingContext) -> None:
         world = ctx.world  # its environ holds the launcher's settings: nothing is read here
         cfg = self.strategy.typed_config("a_sync")
-        heter = world.is_heter_worker
+        heter, guard = world.is_heter_worker, cfg.heter_worker_device_guard
         runtime = PSRuntime(
             ctx.model, ctx.optimizer, ps_config(self.strategy, world),
             is_server=world.is_server, index=world.rank - world.world_size if heter else world.rank,
             comm=_communicator(cfg), log_interval=_log_interval(world),
-            heter_device=cfg.heter_worker_device_guard if heter else None)
+            heter_device=guard if heter else None)
         ctx.runtime = runtime
         ctx.optimizer = runtime.optimizer
         ctx.forward_contexts.append(runtime.forward_scope)

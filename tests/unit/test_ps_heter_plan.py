@@ -1,0 +1,121 @@
+"""Heter workers in the plan and the fleet (one process, nothing connects): the plan names them
+and refuses GEO and a lock-step job with several; a heter worker's fleet takes the server
+branch and builds a runtime that serves sections; ``HeterSection`` runs its module locally when
+nothing is bound; the distributed inference call in a collective job is refused."""
+import pytest
+import torch
+from torch import nn
+
+from fleetx.fleet import Fleet, FleetError, PaddleCloudRoleMaker
+from fleetx.fleet.ps_util import DistributedInfer
+from fleetx.nn import HeterSection
+from fleetx.nn.heter import sections
+from fleetx.ps.api import StateError
+from fleetx.strategy.api import StrategyError
+from fleetx.strategy.distributed_strategy import DistributedStrategy
+
+BASE = {"PADDLE_PSERVERS_IP_PORT_LIST": "127.0.0.1:1", "PADDLE_TRAINERS_NUM": "2",
+        "PADDLE_TRAINER_ENDPOINTS": "127.0.0.1:3,127.0.0.1:4"}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 2, sparse=True)
+        self.mlp = HeterSection(nn.Linear(4, 1))
+
+    def forward(self, ids):
+        return self.mlp(self.emb(ids).flatten(1))
+
+
+def heter_fleet(heters: int = 1, a_sync: bool = True, k_steps: int = 0, heter_role=False):
+    env = dict(BASE, PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST=",".join(
+        f"127.0.0.1:{10 + i}" for i in range(heters)))
+    env.update(TRAINING_ROLE="HETER_TRAINER", POD_IP="127.0.0.1", PADDLE_PORT="10") \
+        if heter_role else env.update(TRAINING_ROLE="TRAINER", PADDLE_TRAINER_ID="0")
+    f = Fleet()
+    f.init(PaddleCloudRoleMaker(is_collective=False, environ=env))
+    s = DistributedStrategy()
+    s.a_sync = a_sync
+    s.a_sync_configs = {"k_steps": k_steps, "heter_worker_device_guard": "gpu"}
+    torch.manual_seed(0)
+    model = f.distributed_model(Net())
+    f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), s)
+    return f
+
+
+def test_the_plan_names_the_heter_workers(capsys):
+    f = heter_fleet(heters=2)
+    f.explain()
+    assert ("async mode: 1 server(s), 2 worker(s), 2 heter worker(s) on gpu (async); sparse "
+            "tables: emb") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(k_steps=4), "heter workers train in sync or async mode, not GEO"),
+    (dict(a_sync=False, heters=2), r"a sync \(lock-step\) job takes one heter worker, not 2"),
+])
+def test_the_plan_refuses_what_heter_workers_cannot_do(kw, words):
+    with pytest.raises(StrategyError, match=words):
+        heter_fleet(**kw)
+
+
+def test_a_heter_worker_takes_the_server_branch_and_serves_sections():
+    f = heter_fleet(heter_role=True)
+    assert f.is_server() and not f.is_worker()
+    runtime = f._ctx.runtime
+    assert runtime.is_heter and runtime.index == 0 and runtime.heter_device == "gpu"
+    f.init_server("anything")  # the servers load saves; a heter worker takes the call quietly
+    with pytest.raises(StateError, match="init_worker.. runs on workers; this process is a "
+                                         "heter worker"):
+        f.init_worker()
+    with pytest.raises(FleetError, match="fleet.util collectives run among workers; this is a "
+                                         "heter worker"):
+        f.util.barrier()
+
+
+def test_a_section_runs_its_module_when_nothing_is_bound():
+    torch.manual_seed(0)
+    inner = nn.Linear(3, 2)
+    section = HeterSection(inner)
+    x = torch.rand(4, 3)
+    assert torch.equal(section(x), inner(x)) and not section.remote
+    section.bind(lambda s, inputs: ("remote", inputs))
+    assert section(x)[0] == "remote" and section.remote
+    assert "remote" in repr(section)
+    with pytest.raises(TypeError, match="HeterSection wraps an nn.Module, got int"):
+        HeterSection(3)
+
+
+def test_sections_are_named_after_their_path_and_may_not_nest():
+    model = nn.Module()
+    model.a = HeterSection(nn.Linear(1, 1))
+    model.b = HeterSection(nn.Linear(1, 1), name="a")
+    with pytest.raises(ValueError, match="two HeterSections are named 'a'"):
+        sections(model)
+    nested = nn.Module()
+    nested.outer = HeterSection(nn.Sequential(HeterSection(nn.Linear(1, 1))))
+    with pytest.raises(ValueError, match="HeterSection 'outer' holds another HeterSection"):
+        sections(nested)
+
+
+def test_distributed_inference_is_for_parameter_server_jobs():
+    f = Fleet()
+    f.init(is_collective=True)
+    with pytest.raises(FleetError, match="DistributedInfer serves parameter-server jobs"):
+        DistributedInfer(nn.Linear(1, 1), fleet=f).init_distributed_infer_env()
+
+
+def test_distributed_inference_without_servers_needs_a_trained_or_loaded_model(one_process):
+    f = Fleet()
+    f.init(PaddleCloudRoleMaker(is_collective=False, environ={}))
+    torch.manual_seed(0)
+    infer = DistributedInfer(Net(), fleet=f)
+    infer.init_distributed_infer_env()  # builds the tables itself: no optimizer was given
+    model = infer.get_dist_infer_program()
+    assert not model.training
+    with pytest.raises(StateError, match="evaluating a model that was neither trained nor "
+                                         "loaded"):
+        model(torch.tensor([[1, 2]]))
+    with pytest.raises(StateError, match="optimizer step in inference mode"):
+        f._ctx.runtime.step()
