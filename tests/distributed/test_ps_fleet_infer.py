@@ -22,13 +22,16 @@ WRITES = ("push", "pull_create", "init")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async", "geo"])
-def test_standalone_inference_from_the_save_equals_inference_after_training(tmp_path, mode):
+@pytest.mark.parametrize("mode, bare", [("sync", False), ("async", False), ("geo", False),
+                                        ("sync", True)])
+def test_standalone_inference_from_the_save_equals_inference_after_training(tmp_path, mode,
+                                                                            bare):
+    """``bare``: the inference-only script builds no optimizer (DistributedInfer does)."""
     root = {"FLEETX_PS_SAVE_ROOT": str(tmp_path)}
     run_job(tmp_path / "train", 2, 2, "--mode", mode, "--save", str(tmp_path / "ckpt"),
             extra_env=root, script=SCRIPT)
     run_job(tmp_path / "infer", 2, 2, "--mode", mode, "--infer-from", str(tmp_path / "ckpt"),
-            extra_env=root, script=SCRIPT)
+            *(["--bare"] if bare else []), extra_env=root, script=SCRIPT)
     trained = [np.load(tmp_path / "train" / f"worker{r}.npz") for r in range(2)]
     alone = [np.load(tmp_path / "infer" / f"worker{r}.npz") for r in range(2)]
     aucs = {float(w["auc"]) for w in trained + alone}
