@@ -55,13 +55,12 @@ def heter_endpoint(config: PSConfig, rank: int) -> tuple[int, str]:
     return index, config.heter_workers[index]
 
 
-def pack(tensors: Sequence[torch.Tensor], what: str) -> tuple[list, list]:
-    """``(shapes, arrays)`` of CPU copies of ``tensors`` for a frame.
+def check(tensors: Sequence[Any], what: str) -> None:
+    """Refuse what cannot travel, before anything is sent.
 
     Raises:
         TypeError: a value that is not a tensor, or a dtype the wire does not carry.
     """
-    shapes, bufs = [], []
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} {i} is a {type(t).__name__}; a HeterSection takes and "
@@ -69,6 +68,17 @@ def pack(tensors: Sequence[torch.Tensor], what: str) -> tuple[list, list]:
         if t.dtype not in WIRE_DTYPES:
             raise TypeError(f"{what} {i} has dtype {t.dtype}; a HeterSection's tensors must "
                             f"be one of {', '.join(str(d) for d in WIRE_DTYPES)}")
+
+
+def pack(tensors: Sequence[torch.Tensor], what: str) -> tuple[list, list]:
+    """``(shapes, arrays)`` of CPU copies of ``tensors`` for a frame.
+
+    Raises:
+        TypeError: as :func:`check`.
+    """
+    check(tensors, what)
+    shapes, bufs = [], []
+    for t in tensors:
         shapes.append(list(t.shape))
         bufs.append(np.ascontiguousarray(t.detach().cpu().numpy()).reshape(-1))
     return shapes, bufs
@@ -176,7 +186,7 @@ class HeterClient:
     def __call__(self, section: HeterSection, inputs: tuple) -> Any:
         """Run ``section`` on the heter worker (what :meth:`HeterSection.bind` calls)."""
         inputs = tuple(materialize(i) if isinstance(i, torch.Tensor) else i for i in inputs)
-        pack(inputs, "input")  # refuse what cannot travel before anything is sent
+        check(inputs, "input")
         if section.training and torch.is_grad_enabled():
             out = _Remote.apply(self, section.section_name, *inputs)
         else:

@@ -119,3 +119,24 @@ def test_distributed_inference_without_servers_needs_a_trained_or_loaded_model(o
         model(torch.tensor([[1, 2]]))
     with pytest.raises(StateError, match="optimizer step in inference mode"):
         f._ctx.runtime.step()
+
+
+def test_what_cannot_travel_is_refused_naming_it():
+    import numpy as np
+    from fleetx.ps.api import ProtocolError
+    from fleetx.ps_torch.heter import check, pack, unpack
+    with pytest.raises(TypeError, match="input 1 is a int; a HeterSection takes and returns "
+                                        "tensors only"):
+        check([torch.ones(1), 3], "input")
+    with pytest.raises(TypeError, match="input 0 has dtype torch.bfloat16; a HeterSection's "
+                                        "tensors must be one of torch.float32"):
+        check([torch.ones(1, dtype=torch.bfloat16)], "input")
+    shapes, bufs = pack([torch.arange(6.0).view(2, 3), torch.tensor([1, 2])], "input")
+    back = unpack(shapes, bufs, "input")
+    assert torch.equal(back[0], torch.arange(6.0).view(2, 3)) and back[1].dtype == torch.int64
+    for bad, words in (([[2, 3]], "4 values of float32 do not make shape"),
+                       ([[-1]], "is not a list of at most 16 sizes >= 0"),
+                       ([[1] * 17], "is not a list of at most 16 sizes >= 0"),
+                       ("x", "'shapes' must list one shape per buffer")):
+        with pytest.raises(ProtocolError, match=words):
+            unpack(bad, [np.zeros(4, np.float32)][:1] if bad != "x" else [], "input")
