@@ -140,3 +140,27 @@ def test_what_cannot_travel_is_refused_naming_it():
                        ("x", "'shapes' must list one shape per buffer")):
         with pytest.raises(ProtocolError, match=words):
             unpack(bad, [np.zeros(4, np.float32)][:1] if bad != "x" else [], "input")
+
+
+def test_a_trainer_that_holds_up_the_lock_step_is_named_after_the_timeout():
+    from fleetx.ps import PSConfig
+    from fleetx.ps_torch.heter_worker import HeterWorker, _Trainer
+    from fleetx.ps_torch.layout import ModelLayout
+    torch.manual_seed(0)
+    model = Net()
+    layout = ModelLayout.of(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    config = PSConfig(["127.0.0.1:1"], 2, mode="sync", timeout=20.0,
+                      heter_workers=("127.0.0.1:2",))
+    heter = HeterWorker(config, 0, layout)
+    heter._started = 0.0
+    for r in (0, 1):
+        heter._trainers[r] = _Trainer(r, f"trainer {r} (pid {r} on h)", None)
+        heter._trainers[r].last_request = 100.0
+    heter._reported, heter._step_since = {0}, 100.0  # trainer 0 waits in step 0 since t=100
+    heter._check_liveness(110.0)
+    assert heter._error is None  # within the timeout: waiting is no failure
+    heter._trainers[0].last_request = 125.0  # trainer 0 keeps asking; trainer 1 is silent
+    heter._check_liveness(125.0)
+    assert str(heter._error) == (
+        "trainer 1 (pid 1 on h) lost: sent no request for 25 s while trainer 0 waited in "
+        "lock-step 0 (timeout 20 s, FLEETX_TIMEOUT)")
