@@ -315,6 +315,8 @@ class PSRuntime:
         elif isinstance(self._session, _RemoteSession):
             self._session = self._started("init_inference").to_inference()
             self.layout.bind(self._session.backend)
+        elif dirname:  # a one-process job that started: too late to load (init_server says so)
+            self.init_server(dirname)
         self._inference = True
 
     def stop_worker(self) -> None:

@@ -164,3 +164,16 @@ def test_a_trainer_that_holds_up_the_lock_step_is_named_after_the_timeout():
     assert str(heter._error) == (
         "trainer 1 (pid 1 on h) lost: sent no request for 25 s while trainer 0 waited in "
         "lock-step 0 (timeout 20 s, FLEETX_TIMEOUT)")
+
+
+def test_a_started_one_process_job_cannot_load_a_save_for_inference(one_process):
+    f = Fleet()
+    f.init(PaddleCloudRoleMaker(is_collective=False, environ={}))
+    torch.manual_seed(0)
+    model = f.distributed_model(Net())
+    opt = f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.minimize(model(torch.tensor([[1, 2]])).sum())
+    with pytest.raises(StateError, match="init_server.. after the job started"):
+        DistributedInfer(model, fleet=f).init_distributed_infer_env(dirname="ckpt")
+    DistributedInfer(model, fleet=f).init_distributed_infer_env()  # what it trained: fine
+    assert model.eval()(torch.tensor([[1, 2]])).shape == (1, 1)
