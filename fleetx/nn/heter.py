@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 
 __all__ = ["HeterSection"]

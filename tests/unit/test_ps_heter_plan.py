@@ -1,13 +1,12 @@
 """Heter workers in the plan and the fleet (one process, nothing connects): the plan names them
 and refuses GEO and a lock-step job with several; a heter worker's fleet takes the server
 branch and builds a runtime that serves sections; ``HeterSection`` runs its module locally when
-nothing is bound; the distributed inference call in a collective job is refused."""
+nothing is bound; what cannot travel is refused; the lock-step stall rule."""
 import pytest
 import torch
 from torch import nn
 
 from fleetx.fleet import Fleet, FleetError, PaddleCloudRoleMaker
-from fleetx.fleet.ps_util import DistributedInfer
 from fleetx.nn import HeterSection
 from fleetx.nn.heter import sections
 from fleetx.ps.api import StateError
@@ -99,28 +98,6 @@ def test_sections_are_named_after_their_path_and_may_not_nest():
         sections(nested)
 
 
-def test_distributed_inference_is_for_parameter_server_jobs():
-    f = Fleet()
-    f.init(is_collective=True)
-    with pytest.raises(FleetError, match="DistributedInfer serves parameter-server jobs"):
-        DistributedInfer(nn.Linear(1, 1), fleet=f).init_distributed_infer_env()
-
-
-def test_distributed_inference_without_servers_needs_a_trained_or_loaded_model(one_process):
-    f = Fleet()
-    f.init(PaddleCloudRoleMaker(is_collective=False, environ={}))
-    torch.manual_seed(0)
-    infer = DistributedInfer(Net(), fleet=f)
-    infer.init_distributed_infer_env()  # builds the tables itself: no optimizer was given
-    model = infer.get_dist_infer_program()
-    assert not model.training
-    with pytest.raises(StateError, match="evaluating a model that was neither trained nor "
-                                         "loaded"):
-        model(torch.tensor([[1, 2]]))
-    with pytest.raises(StateError, match="optimizer step in inference mode"):
-        f._ctx.runtime.step()
-
-
 def test_what_cannot_travel_is_refused_naming_it():
     import numpy as np
     from fleetx.ps.api import ProtocolError
@@ -164,16 +141,3 @@ def test_a_trainer_that_holds_up_the_lock_step_is_named_after_the_timeout():
     assert str(heter._error) == (
         "trainer 1 (pid 1 on h) lost: sent no request for 25 s while trainer 0 waited in "
         "lock-step 0 (timeout 20 s, FLEETX_TIMEOUT)")
-
-
-def test_a_started_one_process_job_cannot_load_a_save_for_inference(one_process):
-    f = Fleet()
-    f.init(PaddleCloudRoleMaker(is_collective=False, environ={}))
-    torch.manual_seed(0)
-    model = f.distributed_model(Net())
-    opt = f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    opt.minimize(model(torch.tensor([[1, 2]])).sum())
-    with pytest.raises(StateError, match="init_server.. after the job started"):
-        DistributedInfer(model, fleet=f).init_distributed_infer_env(dirname="ckpt")
-    DistributedInfer(model, fleet=f).init_distributed_infer_env()  # what it trained: fine
-    assert model.eval()(torch.tensor([[1, 2]])).shape == (1, 1)

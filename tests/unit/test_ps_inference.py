@@ -1,15 +1,21 @@
 """Inference on the servers (servers on threads, real loopback sockets): a read-only server
 refuses every write and every new row naming the mode, and accepts only reading workers; a
 worker that turned to inference (INFER) has its writes refused, leaves the sync rounds (which
-go on without it) and still takes part in barriers."""
+go on without it) and still takes part in barriers. And ``DistributedInfer`` in one process:
+refused in a collective job, building the tables itself, refusing to load into a started job."""
 import dataclasses
 import time
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
+from fleetx.fleet import Fleet, FleetError, PaddleCloudRoleMaker
+from fleetx.fleet.ps_util import DistributedInfer
 from fleetx.ps import (DenseTableSpec, InitConfig, KVClient, PSConfig, PSConfigError, PSServer,
                        RemoteError, RuleConfig, SparseTableSpec, Tables)
+from fleetx.ps.api import StateError
 from fleetx.ps.rounds import Waiting, Waits, stalled
 
 TABLES = Tables((SparseTableSpec("emb", 2, RuleConfig("sgd", lr=1.0),
@@ -108,3 +114,48 @@ def test_a_stalled_sync_round_does_not_blame_a_worker_in_inference():
     last = {0: 0.0, 1: 0.0}
     assert [s.rank for s in stalled(waits, last, [0, 1], 100.0, 10.0)] == [0]
     assert stalled(waits, last, [0, 1], 100.0, 10.0, round_expected=[1]) == []
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 2, sparse=True)
+        self.mlp = nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.mlp(self.emb(ids).flatten(1))
+
+
+def test_distributed_inference_is_for_parameter_server_jobs():
+    f = Fleet()
+    f.init(is_collective=True)
+    with pytest.raises(FleetError, match="DistributedInfer serves parameter-server jobs"):
+        DistributedInfer(nn.Linear(1, 1), fleet=f).init_distributed_infer_env()
+
+
+def test_distributed_inference_without_servers_needs_a_trained_or_loaded_model(one_process):
+    f = Fleet()
+    f.init(PaddleCloudRoleMaker(is_collective=False, environ={}))
+    torch.manual_seed(0)
+    infer = DistributedInfer(Net(), fleet=f)
+    infer.init_distributed_infer_env()  # builds the tables itself: no optimizer was given
+    model = infer.get_dist_infer_program()
+    assert not model.training
+    with pytest.raises(StateError, match="evaluating a model that was neither trained nor "
+                                         "loaded"):
+        model(torch.tensor([[1, 2]]))
+    with pytest.raises(StateError, match="optimizer step in inference mode"):
+        f._ctx.runtime.step()
+
+
+def test_a_started_one_process_job_cannot_load_a_save_for_inference(one_process):
+    f = Fleet()
+    f.init(PaddleCloudRoleMaker(is_collective=False, environ={}))
+    torch.manual_seed(0)
+    model = f.distributed_model(Net())
+    opt = f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.minimize(model(torch.tensor([[1, 2]])).sum())
+    with pytest.raises(StateError, match="init_server.. after the job started"):
+        DistributedInfer(model, fleet=f).init_distributed_infer_env(dirname="ckpt")
+    DistributedInfer(model, fleet=f).init_distributed_infer_env()  # what it trained: fine
+    assert model.eval()(torch.tensor([[1, 2]])).shape == (1, 1)
