@@ -141,3 +141,11 @@ def test_a_trainer_that_holds_up_the_lock_step_is_named_after_the_timeout():
     assert str(heter._error) == (
         "trainer 1 (pid 1 on h) lost: sent no request for 25 s while trainer 0 waited in "
         "lock-step 0 (timeout 20 s, FLEETX_TIMEOUT)")
+
+def test_a_heter_worker_has_nothing_to_serve_in_an_inference_only_job(caplog):
+    import logging
+    from fleetx.fleet.ps_util import DistributedInfer
+    f = heter_fleet(heter_role=True)
+    with caplog.at_level(logging.INFO, logger="fleetx.ps"):
+        DistributedInfer(fleet=f).init_distributed_infer_env(dirname="ckpt")  # returns at once
+    assert "inference runs the heter sections on the workers; nothing to serve" in caplog.text

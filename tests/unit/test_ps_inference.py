@@ -159,3 +159,17 @@ def test_a_started_one_process_job_cannot_load_a_save_for_inference(one_process)
         DistributedInfer(model, fleet=f).init_distributed_infer_env(dirname="ckpt")
     DistributedInfer(model, fleet=f).init_distributed_infer_env()  # what it trained: fine
     assert model.eval()(torch.tensor([[1, 2]])).shape == (1, 1)
+
+
+def test_an_inference_only_job_waits_for_no_heter_worker(tmp_path):
+    import threading
+    cfg = PSConfig(["127.0.0.1:0"], 1, heartbeat_interval=0.3, dead_after=5.0, timeout=30.0,
+                   save_root=str(tmp_path), heter_workers=("127.0.0.1:9",))
+    server = PSServer(cfg, 0, TABLES, read_only=True).start()
+    done = threading.Thread(target=server.run, daemon=True)
+    done.start()
+    reader = KVClient(dataclasses.replace(cfg, servers=(server.endpoint,)), 0, TABLES, infer=True)
+    reader.start()
+    reader.stop()
+    done.join(10)
+    assert not done.is_alive()  # finished once its one worker stopped: no heter rank awaited
