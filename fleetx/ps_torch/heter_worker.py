@@ -192,7 +192,8 @@ class HeterWorker:
         """Join the servers, serve the trainers until every one of them stopped, leave.
 
         Raises:
-            PeerLostError: a trainer (or a server) was lost; the message names it.
+            PeerLostError: a trainer or a server was lost; the message names it.
+            PSError: the servers refused the sections' gradients (e.g. NaN), named.
         """
         self.comm = make_communicator(self.config, self.config.num_workers + self.index,
                                       self.layout.tables, self._comm_config)
@@ -228,10 +229,6 @@ class HeterWorker:
         for link in links:
             link.close()
         self._heartbeats.stop()
-
-    @property
-    def endpoint(self) -> str:
-        return self._acceptor.endpoint
 
     def _has_room(self) -> bool:
         with self._links_lock:
