@@ -98,7 +98,7 @@ _VARS = [
        "worker, docs/heter.md)", "fleetrun (PS)", _ROLE, "none (TF: TF_CONFIG task type)"),
     _v("PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST", "comma list ip:port of every heter worker, in "
        "index order (every process of a job with heter workers; a heter worker listens on its "
-       "entry, trainer r talks to entry r % N)", "fleetrun (PS, --heter_worker_num / "
+       "entry, trainer r talks to entry r mod N)", "fleetrun (PS, --heter_worker_num / "
        "--heter_workers)", _ROLE, "none"),
     _v("PADDLE_HETER_TRAINER_IP_PORT_LIST", "Paddle 2.0's name of the heter workers' list; "
        "fleetrun writes both, and when both are set they must agree", "fleetrun (PS, heter "

@@ -218,7 +218,7 @@ class LaunchConfig:
         group="parameter server", parse=_int, check=_at_least(1), metavar="N")
     heter_workers: Optional[tuple[str, ...]] = _flag(
         "every heter worker of the job as ip:port, comma-separated, in index order (trainer r "
-        "talks to heter worker r % N); each node starts the ones at its own addresses (selects "
+        "talks to heter worker r mod N); each node starts the ones at its own addresses (selects "
         "ps mode)", group="parameter server", parse=_items, check=_endpoint_list,
         metavar="ENDPOINTS")
     ps_secret_file: Optional[str] = _flag(
