@@ -50,9 +50,9 @@ import time
 from typing import Optional
 
 from fleetx.checkpoint import CheckpointError, SaveWriter
-from fleetx.ps import kernels, requests
+from fleetx.ps import kernels, readonly, requests
 from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, ProtocolError, PSConfig,
-                           PSError, RequestError, Tables, endpoint_of)
+                           PSError, Tables, endpoint_of)
 from fleetx.ps.checkpoint import confine
 from fleetx.ps.requests import Push
 from fleetx.ps.rounds import Waiting, Waits, stalled
@@ -87,9 +87,6 @@ class _Worker:
         self.last_request = time.monotonic()  # heartbeats do not count: they prove life only
         self.infer = False  # turned to inference: no writes, no sync rounds
 
-
-#: requests that change a table (a PULL that may create rows is decided by its meta)
-_WRITES = (Kind.PUSH, Kind.INIT, Kind.SET_LR)
 
 
 class PSServer:
@@ -345,25 +342,11 @@ class PSServer:
         return range(self.config.num_workers + heter)
 
     def _check_writable(self, link: Link, msg: Message) -> None:
-        """Inference: refuse anything that would change a table, naming the mode.
-
-        Raises:
-            RequestError: a write on a read-only server or from a worker that turned to
-                inference.
-        """
-        creates = msg.kind == Kind.PULL and msg.meta.get("create", True) is not False \
-            and bool(msg.meta.get("sparse"))
-        if msg.kind not in _WRITES and not creates:
-            return
-        what = "a PULL that may create rows (create=true)" if creates else msg.kind.name
+        """Inference: refuse anything that would change a table (:mod:`.readonly`)."""
+        what = readonly.write_of(msg.kind, msg.meta)
         worker = self._workers.get(link.peer_info.get("rank"))
-        if self.read_only:
-            raise RequestError(f"{what} refused: {self.name} serves an inference-only job "
-                               "(read-only tables: no updates, no new rows)")
-        if worker is not None and worker.infer:
-            raise RequestError(f"{what} refused: {worker.name} turned to inference "
-                               "(DistributedInfer.init_distributed_infer_env); the tables are "
-                               "read-only for it")
+        if what and (self.read_only or (worker is not None and worker.infer)):
+            raise readonly.refusal(what, self.name, self.read_only, worker and worker.name)
 
     # ------------------------------------------------------------------ workers
 
