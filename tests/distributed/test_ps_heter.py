@@ -118,7 +118,8 @@ def job(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, mode", [(signal.SIGKILL, "sync"), (signal.SIGSTOP, "async")])
+@pytest.mark.parametrize("sig, mode", [(signal.SIGKILL, "sync"), (signal.SIGSTOP, "async")],
+                         ids=["killed-sync", "frozen-async"])
 def test_a_lost_heter_worker_is_named_by_its_trainers(job, sig, mode):
     j = job(mode)
     heter = j.procs["heter worker 0"]
@@ -130,7 +131,7 @@ def test_a_lost_heter_worker_is_named_by_its_trainers(job, sig, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_a_lost_trainer_is_named_by_the_heter_worker(job, sig):
     j = job("sync")
     trainer = j.procs["worker 1"]
