@@ -94,13 +94,20 @@ _VARS = [
        "MASTER_ADDR:MASTER_PORT and every rank connects to it as a client", "torch elastic agent",
        "fleet (process group), launch bootstrap", "none"),
     # --- parameter server -----------------------------------------------------------------------
-    _v("TRAINING_ROLE", "PS role of this process: TRAINER or PSERVER", "fleetrun (PS)", _ROLE,
-       "none (TF: TF_CONFIG task type)"),
+    _v("TRAINING_ROLE", "PS role of this process: TRAINER, PSERVER or HETER_TRAINER (a heter "
+       "worker, docs/heter.md)", "fleetrun (PS)", _ROLE, "none (TF: TF_CONFIG task type)"),
+    _v("PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST", "comma list ip:port of every heter worker, in "
+       "index order (every process of a job with heter workers; a heter worker listens on its "
+       "entry, trainer r talks to entry r mod N)", "fleetrun (PS, --heter_worker_num / "
+       "--heter_workers)", _ROLE, "none"),
+    _v("PADDLE_HETER_TRAINER_IP_PORT_LIST", "Paddle 2.0's name of the heter workers' list; "
+       "fleetrun writes both, and when both are set they must agree", "fleetrun (PS, heter "
+       "workers)", _ROLE, "none"),
     _v("PADDLE_PSERVERS_IP_PORT_LIST", "comma list ip:port of every server", "fleetrun (PS)",
        _ROLE, "none (TF: TF_CONFIG cluster.ps)"),
     _v("POD_IP", "IP of this process's host", "fleetrun (PS)", _ROLE, "Kubernetes downward API"),
-    _v("PADDLE_PORT", "port of this process (servers listen on it)", "fleetrun (PS)", _ROLE,
-       "none"),
+    _v("PADDLE_PORT", "port of this process (servers and heter workers listen on it)",
+       "fleetrun (PS)", _ROLE, "none"),
     # --- fleetx's own ----------------------------------------------------------------------------
     _v("FLEETX_LOG_DIR", "folder of the per-process logs (a rank whose collective fails leaves "
        "fault.<rank>.json there, naming the rank at fault, for fleetrun's report)", "fleetrun",

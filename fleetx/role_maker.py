@@ -43,6 +43,7 @@ class RoleMakerBase:
         self._current_id = -1
         self._worker_endpoints: list[str] = []
         self._server_endpoints: list[str] = []
+        self._heter_endpoints: list[str] = []
         self._num_workers = 0
         self._local_rank = 0
         self._local_world_size = 1
@@ -120,14 +121,30 @@ class RoleMakerBase:
         self._worker_endpoints = list(endpoints)
 
     def _heter_worker_num(self) -> int:
-        """Number of heterogeneous (CPU/GPU split) workers: always 0, fleetx has none."""
+        """Number of heter workers of a parameter-server job (``docs/heter.md``)."""
         self._ensure()
-        return 0
+        return len(self._heter_endpoints)
 
     def _is_heter_worker(self) -> bool:
-        """Whether this process is a heterogeneous worker: never, fleetx has none."""
+        """Whether this process is a heter worker (``TRAINING_ROLE=HETER_TRAINER``)."""
         self._ensure()
         return self._role == Role.HETER_WORKER
+
+    def _get_heter_worker_endpoints(self) -> list[str]:
+        """``ip:port`` of every heter worker, in index order."""
+        self._ensure()
+        return list(self._heter_endpoints)
+
+    def _heter_worker_index(self) -> int:
+        """This heter worker's index among the heter workers (its role id minus the number of
+        trainers, as Paddle numbers them).
+
+        Raises:
+            ValueError: this process is not a heter worker.
+        """
+        if not self._is_heter_worker():
+            raise ValueError("_heter_worker_index(): this process is not a heter worker")
+        return self._current_id - self._num_workers
 
     @property
     def is_collective(self) -> bool:
@@ -157,7 +174,11 @@ class PaddleCloudRoleMaker(RoleMakerBase):
 
     Parameter-server mode reads ``TRAINING_ROLE``, ``PADDLE_PSERVERS_IP_PORT_LIST``,
     ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ID`` (workers), ``POD_IP`` and ``PADDLE_PORT``
-    (servers). Without ``PADDLE_PSERVERS_IP_PORT_LIST`` the script is a 1-process local job,
+    (servers and heter workers) and the heter workers' list
+    ``PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST`` (or Paddle 2.0's
+    ``PADDLE_HETER_TRAINER_IP_PORT_LIST``; both set, they must agree). A heter worker
+    (``TRAINING_ROLE=HETER_TRAINER``) has the role id ``PADDLE_TRAINERS_NUM + its index``, as in
+    Paddle. Without ``PADDLE_PSERVERS_IP_PORT_LIST`` the script is a 1-process local job,
     unless a collective launcher started it (``WORLD_SIZE``, ``RANK`` or
     ``PADDLE_TRAINER_ENDPOINTS`` set): then it joins that collective job.
 
@@ -317,6 +338,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         if num < 1:
             raise env.EnvError(f"PADDLE_TRAINERS_NUM={num} must be >= 1")
         self._num_workers = num
+        self._heter_endpoints = self._heter_list()
         role = env.get("TRAINING_ROLE", None, e)
         if role is None:
             raise env.EnvError("Can not find TRAINING_ROLE, please check your environment.")
@@ -333,11 +355,29 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         elif role == "PSERVER":
             self._role = Role.SERVER
             self._current_id = self._server_id(servers)
+        elif role == "HETER_TRAINER":
+            if not self._heter_endpoints:
+                raise env.EnvError("Can not find PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST, please "
+                                   "check your environment.")
+            self._role = Role.HETER_WORKER
+            self._current_id = num + self._server_id(self._heter_endpoints, "heter worker",
+                                                     "PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST")
         else:
-            raise env.EnvError(f"TRAINING_ROLE must be PSERVER or TRAINER, but got {role!r}, "
-                               f"please check your environment.")
+            raise env.EnvError(f"TRAINING_ROLE must be PSERVER or TRAINER or HETER_TRAINER, but "
+                               f"got {role!r}, please check your environment.")
 
-    def _server_id(self, servers: list[str]) -> int:
+    def _heter_list(self) -> list[str]:
+        """The heter workers' endpoints (2.2's name, or 2.0's; both set, they must agree)."""
+        e = self._env
+        new = env.get_list("PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST", e)
+        old = env.get_list("PADDLE_HETER_TRAINER_IP_PORT_LIST", e)
+        if new and old and new != old:
+            raise env.EnvError(f"PADDLE_HETER_TRAINER_IP_PORT_LIST={','.join(old)} disagrees with "
+                               f"PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST={','.join(new)}")
+        return new or old
+
+    def _server_id(self, servers: list[str], what: str = "server",
+                   variable: str = "PADDLE_PSERVERS_IP_PORT_LIST") -> int:
         e = self._env
         ip, port = env.get("POD_IP", None, e), env.get("PADDLE_PORT", None, e)
         if ip is None:
@@ -346,8 +386,8 @@ class PaddleCloudRoleMaker(RoleMakerBase):
             raise env.EnvError("Can not find PADDLE_PORT, please check your environment.")
         endpoint = f"{ip}:{port}"
         if endpoint not in servers:
-            raise env.EnvError(f"this server's endpoint {endpoint} (POD_IP:PADDLE_PORT) is not in "
-                               f"PADDLE_PSERVERS_IP_PORT_LIST={','.join(servers)}")
+            raise env.EnvError(f"this {what}'s endpoint {endpoint} (POD_IP:PADDLE_PORT) is not in "
+                               f"{variable}={','.join(servers)}")
         return servers.index(endpoint)
 
 

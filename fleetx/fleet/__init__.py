@@ -4,7 +4,8 @@ What it offers: Paddle Fleet's user surface. :class:`Fleet` (``fleet.py``) is on
 object: ``init`` reads the role, joins the world and plans the strategies;
 ``distributed_model`` / ``distributed_optimizer`` wrap the user's module and optimizer
 (``model.py``, ``optimizer.py``); ``util`` (``util.py``) serves host-side collectives, and
-``utils`` (``utils.py``, Paddle's module of that name) holds ``recompute``; the PS
+``utils`` (``utils.py``, Paddle's module of that name) holds ``recompute`` and ``ps_util``
+(``DistributedInfer``, distributed inference); the PS
 entry points (``init_worker``, ``init_server``, ``run_server``, ``stop_worker``) hand over to
 the runtime the plan chose. Those forwarding calls, the role queries and Paddle's optimizer
 calls on the fleet live in ``delegation.py``; ``state_bytes`` (the training state this

@@ -63,8 +63,10 @@ class RoleQueries:
         return self._rm("is_worker")._is_worker()
 
     def is_server(self) -> bool:
-        """True on a parameter-server process."""
-        return self._rm("is_server")._is_server()
+        """True on a parameter-server process, and on a heter worker (as in Paddle: its script
+        takes the server branch, whose ``run_server`` serves the heter sections)."""
+        rm = self._rm("is_server")
+        return rm._is_server() or rm._is_heter_worker()
 
     def server_num(self) -> int:
         """Number of parameter servers (0 in a collective job)."""

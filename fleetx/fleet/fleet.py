@@ -153,8 +153,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
     def _communicator(self) -> Optional[ProcessGroups]:
         """The worker communicator, joined on first use; None for a one-worker job."""
         rm = self._rm("util")
-        if rm._is_server():
-            raise FleetError("fleet.util collectives run among workers; this is a server")
+        if rm._is_server() or rm._is_heter_worker():
+            raise FleetError("fleet.util collectives run among workers; this is a "
+                             f"{'server' if rm._is_server() else 'heter worker'}")
         if rm._worker_num() <= 1:
             return None
         if self._comm is None and self._dry_run():
@@ -198,7 +199,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             mode=Mode.COLLECTIVE if rm.is_collective else Mode.PS,
             is_server=rm._is_server(), server_num=rm._server_num(),
             device=self.local_device().type,
-            server_endpoints=tuple(rm._get_pserver_endpoints()))
+            server_endpoints=tuple(rm._get_pserver_endpoints()),
+            is_heter_worker=rm._is_heter_worker(),
+            heter_endpoints=tuple(rm._get_heter_worker_endpoints()))
 
     # -- planning and wrapping ----------------------------------------------------------------
     def _build_context(self) -> TrainingContext:

@@ -22,7 +22,8 @@ __all__ = ["LaunchConfig", "BACKENDS", "RUN_MODES", "PS_FIELDS"]
 BACKENDS = ("auto", "gloo", "nccl")
 RUN_MODES = tuple(m.value for m in RunMode)
 #: Fields whose presence selects parameter-server mode when ``--run_mode`` is not given.
-PS_FIELDS = ("server_num", "worker_num", "servers", "workers")
+PS_FIELDS = ("server_num", "worker_num", "servers", "workers", "heter_worker_num",
+             "heter_workers")
 
 
 # -- parsers (command-line string -> value) and checks (value -> problem or None) --------------
@@ -210,6 +211,16 @@ class LaunchConfig:
         "comma-separated, in rank order; each node starts the ones at its own addresses "
         "(selects ps mode)",
         group="parameter server", parse=_items, check=_endpoint_list, metavar="ENDPOINTS")
+    heter_worker_num: Optional[int] = _flag(
+        "number of heter workers, which run the model's HeterSections for the trainers "
+        "(docs/heter.md); alone: that many on this machine, at free ports of 127.0.0.1; with "
+        "--heter_workers: must equal its length (selects ps mode)",
+        group="parameter server", parse=_int, check=_at_least(1), metavar="N")
+    heter_workers: Optional[tuple[str, ...]] = _flag(
+        "every heter worker of the job as ip:port, comma-separated, in index order (trainer r "
+        "talks to heter worker r mod N); each node starts the ones at its own addresses (selects "
+        "ps mode)", group="parameter server", parse=_items, check=_endpoint_list,
+        metavar="ENDPOINTS")
     ps_secret_file: Optional[str] = _flag(
         "file holding the job's shared secret (any text; surrounding whitespace is ignored): "
         "every parameter-server connection must prove it holds it. Give every node's fleetrun "

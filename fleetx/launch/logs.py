@@ -33,7 +33,8 @@ EARLIER_DIR = "earlier"
 #: How many earlier jobs' folders are kept; older ones are removed (with a notice).
 KEEP_EARLIER = 5
 # Every file a job writes in the log folder (fault.N.json: fleetx.comm's blame reports).
-_JOB_FILE = re.compile(r"^(workerlog\.\d+|serverlog\.\d+|endpoints\.log|fault\.\d+\.json)$")
+_JOB_FILE = re.compile(r"^(workerlog\.\d+|serverlog\.\d+|heterlog\.\d+|endpoints\.log|"
+                       r"fault\.\d+\.json)$")
 
 
 def prepare_dir(log_dir: str) -> None:

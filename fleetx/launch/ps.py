@@ -3,26 +3,29 @@ processes of this node.
 
 Decisions, in :func:`plan`:
 
-* endpoints: ``--servers`` / ``--workers`` list every server and worker of the job (a worker
-  given as a bare IP gets port ``6170 + number of servers + its index``, as in Paddle);
-  ``--server_num`` / ``--worker_num`` alone mean that many on this machine at free ports of
-  127.0.0.1 (with a list as well, the number must match it);
+* endpoints: ``--servers`` / ``--workers`` / ``--heter_workers`` list every server, worker and
+  heter worker of the job (a worker given as a bare IP gets port ``6170 + number of servers +
+  its index``, as in Paddle); ``--server_num`` / ``--worker_num`` / ``--heter_worker_num`` alone
+  mean that many on this machine at free ports of 127.0.0.1 (with a list as well, the number
+  must match it);
 * this node starts the endpoints whose address is one of its own (multi-node: run the same
   command on every node);
 * each process gets the reference environment (``TRAINING_ROLE``,
   ``PADDLE_PSERVERS_IP_PORT_LIST``, ``PADDLE_TRAINER_ENDPOINTS``, ``PADDLE_TRAINERS_NUM``,
-  ``PADDLE_TRAINER_ID`` for workers, ``POD_IP``, ``PADDLE_PORT``) and ``OMP_NUM_THREADS=1`` when
-  several share the node and the user did not set it;
+  ``PADDLE_TRAINER_ID`` for workers, ``POD_IP``, ``PADDLE_PORT``; with heter workers
+  ``PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST`` and Paddle 2.0's ``PADDLE_HETER_TRAINER_IP_PORT_LIST``
+  for every process and ``TRAINING_ROLE=HETER_TRAINER`` for them) and ``OMP_NUM_THREADS=1``
+  when several share the node and the user did not set it;
 * the job's shared secret: ``--ps_secret_file`` (``FLEETX_PS_SECRET_FILE``), or what the user's
   environment already holds, or, for a single-node job, a fresh random one that only the
   processes' environment carries (never the command line, the banner or a file). A job on
   several nodes without one is refused: each node would make its own.
 
 Running, in :func:`run`: every process starts in ``bootstrap.py`` (it dies with fleetrun, even
-on SIGKILL, and takes whatever it started along) and writes ``serverlog.N`` / ``workerlog.N``;
-worker 0's log is copied to fleetrun's stdout. When every local worker has finished, the
-servers finish by themselves (they stop once every worker of the job said goodbye); on a
-single node fleetrun stops any that linger. Any process that fails stops the job: fleetrun
+on SIGKILL, and takes whatever it started along) and writes ``serverlog.N`` / ``workerlog.N`` /
+``heterlog.N``; worker 0's log is copied to fleetrun's stdout. When every local worker has
+finished, the servers and heter workers finish by themselves (they stop once every worker of
+the job said goodbye); on a single node fleetrun stops any that linger. Any process that fails stops the job: fleetrun
 names it (role and index), shows the end of its log and exits 1.
 """
 from __future__ import annotations
@@ -46,6 +49,8 @@ __all__ = ["PSProcess", "PSPlan", "plan", "run", "launch", "dry_run", "WORKER_BA
 
 #: Paddle's port for workers given as bare IPs: 6170 + number of servers + worker index.
 WORKER_BASE_PORT = 6170
+#: how each role is named in messages (``heter`` is also the prefix of its log, heterlog.N)
+_ROLE_NAMES = {"server": "server", "worker": "worker", "heter": "heter worker"}
 _TAIL_LINES = 20
 _GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when fleetrun stops processes
 _LINGER_SECONDS = 5  # a single-node server still running this long after the last worker
@@ -57,8 +62,8 @@ class PSProcess:
     """One process this node starts.
 
     Attributes:
-        role: ``"server"`` or ``"worker"``.
-        index: its index among servers or workers.
+        role: ``"server"``, ``"worker"`` or ``"heter"`` (a heter worker).
+        index: its index among the processes of its role.
         endpoint: ``ip:port`` (servers listen on it; worker 0's hosts ``fleet.util``'s store).
         env: the contract variables it gets.
     """
@@ -69,8 +74,13 @@ class PSProcess:
     env: dict = field(default_factory=dict, compare=False)
 
     @property
+    def label(self) -> str:
+        """``server 0``, ``worker 1``, ``heter worker 0``."""
+        return f"{_ROLE_NAMES[self.role]} {self.index}"
+
+    @property
     def name(self) -> str:
-        return f"{self.role} {self.index} ({self.endpoint})"
+        return f"{self.label} ({self.endpoint})"
 
     def log_path(self, log_dir: str) -> str:
         return os.path.join(log_dir, f"{self.role}log.{self.index}")
@@ -91,6 +101,7 @@ class PSPlan:
     secret: Optional[str] = field(default=None, repr=False, compare=False)  # generated here
     module: bool = False  # the script is a module name (fleetrun -m)
     shown: object = (0,)  # workers whose output fleetrun shows ("all" or indices)
+    heters: tuple[str, ...] = ()  # every heter worker's endpoint
 
     def shown_here(self) -> list["PSProcess"]:
         """This node's workers whose output fleetrun copies to its stdout."""
@@ -100,16 +111,27 @@ class PSPlan:
     @property
     def single_node(self) -> bool:
         """True when this node starts every process of the job."""
-        return len(self.local) == len(self.servers) + len(self.workers)
+        return len(self.local) == len(self.servers) + len(self.workers) + len(self.heters)
 
     def describe(self) -> str:
-        mine = ", ".join(f"{p.role} {p.index}" for p in self.local)
+        mine = ", ".join(p.label for p in self.local)
+        heters = (f", {len(self.heters)} heter worker(s) {','.join(self.heters)}"
+                  if self.heters else "")
         lines = [f"Run parameter-server mode: {len(self.servers)} server(s) "
-                 f"{','.join(self.servers)}, {len(self.workers)} worker(s); this node starts "
-                 f"{mine}. launch train in CPU mode",
-                 f"Please check servers and workers logs in {self.log_dir}/workerlog.* and "
-                 f"{self.log_dir}/serverlog.*"]
+                 f"{','.join(self.servers)}, {len(self.workers)} worker(s){heters}; this node "
+                 f"starts {mine}. launch train in CPU mode"]
+        if self.heters:
+            lines.append(f"Please check servers, workers and heter_worker logs in "
+                         f"{self.log_dir}/workerlog.*, {self.log_dir}/serverlog.* and "
+                         f"{self.log_dir}/heterlog.*")
+        else:
+            lines.append(f"Please check servers and workers logs in {self.log_dir}/workerlog.* "
+                         f"and {self.log_dir}/serverlog.*")
         return "\n".join(lines + [f"fleetrun: {note}" for note in self.notes])
+
+    def processes(self) -> str:
+        """One line per process this node starts: its name and its log (``--dry-run``)."""
+        return "\n".join(f"  {p.name}: {p.log_path(self.log_dir)}" for p in self.local)
 
 
 # -- planning ----------------------------------------------------------------------------------
@@ -134,7 +156,7 @@ def _endpoints(listed: Optional[tuple], count: Optional[int], what: str, bare_po
         out = []
         for i, item in enumerate(listed):
             if ":" not in item:
-                if what == "server":
+                if what != "worker":
                     raise ConfigError(flag_list, f"{item} has no port (expected ip:port)")
                 item = f"{item}:{bare_port + i}"
             out.append(item)
@@ -144,14 +166,20 @@ def _endpoints(listed: Optional[tuple], count: Optional[int], what: str, bare_po
     return tuple(f"127.0.0.1:{p}" for p in free(count))
 
 
+_TRAINING_ROLES = {"server": "PSERVER", "worker": "TRAINER", "heter": "HETER_TRAINER"}
+
+
 def _process_env(role: str, index: int, endpoint: str, servers: tuple, workers: tuple,
-                 log_dir: str, omp: Optional[int]) -> dict:
+                 log_dir: str, omp: Optional[int], heters: tuple = ()) -> dict:
     ip, _, port = endpoint.rpartition(":")
-    values = {"TRAINING_ROLE": "PSERVER" if role == "server" else "TRAINER",
+    values = {"TRAINING_ROLE": _TRAINING_ROLES[role],
               "PADDLE_PSERVERS_IP_PORT_LIST": ",".join(servers),
               "PADDLE_TRAINER_ENDPOINTS": ",".join(workers),
               "PADDLE_TRAINERS_NUM": str(len(workers)),
               "POD_IP": ip, "PADDLE_PORT": port, "FLEETX_LOG_DIR": log_dir}
+    if heters:  # both names: Paddle 2.2's and 2.0's
+        values["PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST"] = ",".join(heters)
+        values["PADDLE_HETER_TRAINER_IP_PORT_LIST"] = ",".join(heters)
     if role == "worker":
         values["PADDLE_TRAINER_ID"] = str(index)
     if omp:
@@ -200,29 +228,33 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
     servers = _endpoints(config.servers, config.server_num, "server", 0, free_ports)
     workers = _endpoints(config.workers, config.worker_num, "worker",
                          WORKER_BASE_PORT + len(servers), free_ports)
-    repeated = sorted({e for e in servers + workers if (servers + workers).count(e) > 1})
+    heters = _endpoints(config.heter_workers, config.heter_worker_num, "heter_worker", 0,
+                        free_ports) if config.heter_workers or config.heter_worker_num else ()
+    every = servers + workers + heters
+    repeated = sorted({e for e in every if every.count(e) > 1})
     if repeated:
         raise ConfigError("--servers", f"{', '.join(repeated)} listed more than once among "
-                                       f"servers and workers")
-    mine = [(role, i, ep) for role, eps in (("server", servers), ("worker", workers))
+                                       f"servers, workers and heter workers")
+    mine = [(role, i, ep) for role, eps in (("server", servers), ("worker", workers),
+                                            ("heter", heters))
             for i, ep in enumerate(eps) if is_local(ep.rpartition(":")[0].strip("[]"))]
     if not mine:
         raise ConfigError("--servers", f"none of the servers ({','.join(servers)}) or workers "
-                                       f"({','.join(workers)}) is an address of this host")
+                                       f"({','.join(workers + heters)}) is an address of this "
+                                       f"host")
     notes, omp = [], None
     if len(mine) > 1 and user_omp is None:
         omp = 1
         notes.append(f"setting OMP_NUM_THREADS=1 for each process ({len(mine)} processes share "
                      f"this node); set OMP_NUM_THREADS yourself to change it")
     log_dir = os.path.abspath(config.log_dir)
-    shared, secret = _secret(config, len(mine) == len(servers) + len(workers), user_secret,
-                             make_secret)
+    shared, secret = _secret(config, len(mine) == len(every), user_secret, make_secret)
     local = tuple(PSProcess(role, i, ep, {**_process_env(role, i, ep, servers, workers, log_dir,
-                                                         omp), **shared})
+                                                         omp, heters), **shared})
                   for role, i, ep in mine)
     return PSPlan(servers, workers, local, log_dir, config.training_script,
                   tuple(config.training_script_args), tuple(notes), launcher_pid, secret,
-                  config.module, config.shown_ranks())
+                  config.module, config.shown_ranks(), heters)
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -271,8 +303,9 @@ class _Job:
 
 
 def _report_failure(p: PSPlan, failed: list, codes: dict) -> None:
-    total = f"{len(p.servers)} server(s) and {len(p.workers)} worker(s)"
-    names = ", ".join(f"{proc.role} {proc.index}" for proc in failed)
+    heters = f", {len(p.heters)} heter worker(s)" if p.heters else ""
+    total = f"{len(p.servers)} server(s){heters} and {len(p.workers)} worker(s)"
+    names = ", ".join(proc.label for proc in failed)
     lines = [f"ABORT!!! Out of all {total}, {names} failed. Please check its log."]
     for proc in failed:
         code = codes[proc]
@@ -283,7 +316,7 @@ def _report_failure(p: PSPlan, failed: list, codes: dict) -> None:
             continue
         lines.append(f"{proc.name} {how}; last {_TAIL_LINES} lines of {path}:")
         lines += [f"    {line}" for line in logs.last_lines(path, _TAIL_LINES)] or ["    (empty)"]
-    others = [f"{q.role} {q.index}" for q in p.local if q not in failed]
+    others = [q.label for q in p.local if q not in failed]
     if others:
         lines.append(f"stopped the other process(es): {', '.join(others)}")
     print("\n".join(lines), file=sys.stderr, flush=True)
@@ -321,15 +354,18 @@ def _watch(job: _Job, stop_requested: list) -> int:
 
 
 def _check_server_ports(p: PSPlan) -> None:
-    """Refuse the job before anything starts when a local server could not listen on its port."""
+    """Refuse the job before anything starts when a local server or heter worker could not
+    listen on its port."""
     for proc in p.local:
-        if proc.role != "server":
+        if proc.role == "worker":
             continue
         host, _, port = proc.endpoint.rpartition(":")
         why = hosts.port_in_use(host.strip("[]"), int(port))
         if why:
+            flag = "--servers" if proc.role == "server" else "--heter_workers"
             raise LaunchError(f"{proc.name} cannot listen on port {port} of {host}: {why}; "
-                              f"free it or give that server another port in --servers")
+                              f"free it or give that {_ROLE_NAMES[proc.role]} another port in "
+                              f"{flag}")
 
 
 def run(p: PSPlan) -> int:
@@ -345,7 +381,7 @@ def run(p: PSPlan) -> int:
         for note in logs.archive_earlier(p.log_dir):
             print(f"fleetrun: {note}", flush=True)
     first = {proc.role: proc for proc in reversed(p.local)}
-    for proc in (first.get("server"), first.get("worker")):
+    for proc in (first.get("server"), first.get("worker"), first.get("heter")):
         if proc is not None:
             print(banner.envs_table(proc.env), flush=True)
     shown = p.shown_here()
@@ -366,6 +402,8 @@ def run(p: PSPlan) -> int:
         for follower in followers:
             follower.stop()
     if code == EXIT_OK:
+        if any(proc.role == "heter" for proc in p.local):
+            print("all heter_worker are killed", file=sys.stderr, flush=True)
         if any(proc.role == "server" for proc in p.local):
             # stderr, where Paddle's launcher tests look for it
             print("all parameter server are killed", file=sys.stderr, flush=True)
@@ -386,8 +424,11 @@ def dry_run(config: LaunchConfig) -> int:
     worker0 = next(proc for proc in p.local if proc.role == "worker" and proc.index == 0)
     child = dict(env.environ)
     env.apply(dict(worker0.env, FLEETX_DRY_RUN="1"), child)
+    heters = f" and {len(p.heters)} heter worker(s)" if p.heters else ""
+    print(f"fleetrun --dry-run: the job's processes and their logs:\n{p.processes()}",
+          flush=True)
     print(f"fleetrun --dry-run: running {config.training_script} as worker 0 of "
-          f"{len(p.workers)} worker(s) with {len(p.servers)} server(s), without peers",
+          f"{len(p.workers)} worker(s) with {len(p.servers)} server(s){heters}, without peers",
           flush=True)
     module = ["-m"] if p.module else []
     return subprocess.call([sys.executable, "-u", *module, p.script, *p.script_args], env=child)

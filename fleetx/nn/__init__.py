@@ -1,5 +1,6 @@
 """Layers whose state lives outside the process: :class:`SparseEmbedding` and
-:class:`SparseEmbeddingBag` (parameter-server tables).
+:class:`SparseEmbeddingBag` (parameter-server tables), and :class:`HeterSection` (a block a heter
+worker runs, ``docs/heter.md``).
 
 What it offers: ``torch.nn.Module`` s that look their rows up through a *backend* bound to them
 (anything with ``lookup(table, ids)``; optionally ``defer``, which batches the lookups of many
@@ -20,6 +21,7 @@ Invariants:
   on a row nobody has written yet;
 * the gradient handed over has one row per unique id (autograd sums the occurrences).
 """
+from fleetx.nn.heter import HeterSection
 from fleetx.nn.sparse_embedding import SparseEmbedding, SparseEmbeddingBag
 
-__all__ = ["SparseEmbedding", "SparseEmbeddingBag"]
+__all__ = ["HeterSection", "SparseEmbedding", "SparseEmbeddingBag"]

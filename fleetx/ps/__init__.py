@@ -11,6 +11,7 @@ Layers, bottom up (each imports only the ones below it and the contract in :mod:
 * :mod:`.table`, :mod:`.rules`, :mod:`.kernels`, :mod:`.initializers` - rows plus a rule.
 * :mod:`.requests` - every request's fields checked against the tables before they change.
 * :mod:`.rounds` - sync rounds and barriers waiting for workers, and who stalls them.
+* :mod:`.readonly` - which requests change a table, refused in inference.
 * :mod:`.server` - a server process; :mod:`.client` - a worker's KV client.
 * :mod:`.checkpoint` - what a save holds and what a load accepts (atomic and verified through
   :mod:`fleetx.checkpoint`).

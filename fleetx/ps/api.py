@@ -71,6 +71,13 @@ class Kind(enum.IntEnum):
     SAVE = 9       # each server writes its shards to a folder
     STATS = 10     # rows, bytes and request counts of a server
     SHRINK = 20    # end of a pass: decay show/click, delete rows unseen or scoring too low
+    # 30-39: inference and heter workers (docs/ps_inference.md, docs/heter.md)
+    INFER = 30           # worker -> server: it turned to inference; its writes are refused
+    HETER_HELLO = 31     # trainer -> heter worker: {"rank", "pid", "host", "fingerprint", "mode"}
+    HETER_FORWARD = 32   # trainer -> heter worker: a section's inputs; reply: its outputs
+    HETER_BACKWARD = 33  # trainer -> heter worker: the outputs' gradients; reply: the inputs'
+    HETER_STEP = 34      # trainer -> heter worker: the trainer's optimizer step is done
+    HETER_BYE = 35       # trainer -> heter worker: the trainer stops or turns to inference
 
 
 #: wire dtype code -> numpy dtype string (always little-endian)
@@ -594,6 +601,9 @@ class PSConfig:
         transport: ``tcp`` (fleetx's authenticated links) or ``zmq`` (pyzmq, unauthenticated,
             loopback only: it exists to measure the two against each other,
             :mod:`fleetx.ps.transport_zmq`); ``FLEETX_PS_TRANSPORT``.
+        heter_workers: ``host:port`` of every heter worker (``docs/heter.md``). They connect
+            to the servers as ranks ``num_workers, num_workers + 1, ...``: their pushes are
+            applied on arrival in every mode and they take no part in sync rounds or barriers.
     """
 
     servers: tuple
@@ -613,15 +623,18 @@ class PSConfig:
     nonfinite: str = "refuse"
     save_root: Optional[str] = None
     transport: str = "tcp"
+    heter_workers: tuple = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
+        object.__setattr__(self, "heter_workers", tuple(self.heter_workers))
         object.__setattr__(self, "mode", PSMode(self.mode))
         _require(len(self.servers) > 0, "PSConfig.servers: at least one server endpoint")
-        for ep in self.servers:
-            host, _, port = str(ep).rpartition(":")
-            _require(bool(host) and port.isdigit(),
-                     f"PSConfig.servers: {ep!r} is not host:port")
+        for what, eps in (("servers", self.servers), ("heter_workers", self.heter_workers)):
+            for ep in eps:
+                host, _, port = str(ep).rpartition(":")
+                _require(bool(host) and port.isdigit(),
+                         f"PSConfig.{what}: {ep!r} is not host:port")
         _require(self.num_workers > 0, f"PSConfig.num_workers={self.num_workers}: expected > 0")
         _require(self.shard_num >= len(self.servers),
                  f"PSConfig.shard_num={self.shard_num} < number of servers {len(self.servers)}")
@@ -648,10 +661,14 @@ class PSConfig:
         return len(self.servers)
 
     @property
+    def num_heter_workers(self) -> int:
+        return len(self.heter_workers)
+
+    @property
     def connection_limit(self) -> int:
         """Authenticated connections a server keeps at once (``max_connections`` or its
-        default: every worker once, twice over, plus room for tools)."""
-        return self.max_connections or 2 * self.num_workers + 16
+        default: every worker and heter worker once, twice over, plus room for tools)."""
+        return self.max_connections or 2 * (self.num_workers + self.num_heter_workers) + 16
 
     def to_dict(self) -> dict:
         """Every field but ``secret`` (a cluster file must not carry it)."""

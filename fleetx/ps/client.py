@@ -71,14 +71,18 @@ class KVClient:
 
     Args:
         config: the cluster.
-        rank: this worker's index in ``[0, config.num_workers)``.
+        rank: this worker's index in ``[0, config.num_workers)``; heter worker ``i`` is rank
+            ``config.num_workers + i``.
         tables: every table of the job (must match the servers').
+        infer: this worker only reads (inference): HELLO says so, and a read-only server
+            (an inference-only job) accepts only such workers.
     """
 
-    def __init__(self, config: PSConfig, rank: int, tables: Tables) -> None:
-        if not 0 <= rank < config.num_workers:
-            raise PSConfigError(f"worker rank {rank} outside [0, {config.num_workers})")
-        self.config, self.rank, self.tables = config, rank, tables
+    def __init__(self, config: PSConfig, rank: int, tables: Tables, infer: bool = False) -> None:
+        ranks = config.num_workers + config.num_heter_workers
+        if not 0 <= rank < ranks:
+            raise PSConfigError(f"worker rank {rank} outside [0, {ranks})")
+        self.config, self.rank, self.tables, self.infer = config, rank, tables, infer
         self._dense_ranges = {t.name: dense_ranges(t.numel, config.num_servers)
                               for t in tables.dense}
         self._tracker = Tracker()
@@ -112,6 +116,8 @@ class KVClient:
             self._heartbeats.add(link)
         meta = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "fingerprint": self.tables.fingerprint(), "mode": c.mode.value}
+        if self.infer:
+            meta["infer"] = True
         replies = self._request(Kind.HELLO, {s: (meta, [], None) for s in self._servers()},
                                 None).wait(c.timeout)
         for r in replies:
@@ -353,6 +359,12 @@ class KVClient:
         meta = {"threshold": threshold}
         return self._request(Kind.SHRINK, {s: (meta, [], None) for s in self._servers()},
                              finish)
+
+    def turn_to_inference(self) -> Handle:
+        """Tell every server that this worker only reads from now on (INFER): its writes are
+        refused and the sync rounds go on without it."""
+        self.infer = True
+        return self._request(Kind.INFER, {s: ({}, [], None) for s in self._servers()}, None)
 
     def stats(self) -> Handle:
         """Each server's :meth:`PSServer.stats`, in server order."""

@@ -86,20 +86,24 @@ class Waits:
 
 
 def stalled(waits: Waits, last_request: Mapping[int, float], expected: Iterable[int],
-            now: float, timeout: float) -> list[Stall]:
+            now: float, timeout: float,
+            round_expected: Optional[Iterable[int]] = None) -> list[Stall]:
     """Workers that hold up a wait older than ``timeout`` and sent no request for as long.
 
     Args:
         waits: the pending rounds and barriers.
         last_request: active worker rank -> time of its last request (heartbeats excluded).
-        expected: the ranks rounds and barriers wait for.
+        expected: the ranks barriers (and, without ``round_expected``, rounds) wait for.
         now / timeout: seconds, on the clock of ``last_request``.
+        round_expected: the ranks sync rounds wait for, when fewer (workers that turned to
+            inference leave the rounds but not the barriers).
     """
     expected, out, seen = list(expected), [], set()
+    rounds = expected if round_expected is None else list(round_expected)
     for since, what, arrived in waits.oldest():
         if now - since <= timeout:
             continue
-        for r in expected:
+        for r in (rounds if what == "a sync round" else expected):
             silent = now - last_request.get(r, now)
             if r not in arrived and r not in seen and silent > timeout:
                 out.append(Stall(r, silent, what, arrived))

@@ -30,6 +30,15 @@ Validation: every request is checked against the tables before it changes anythi
 (``rejected``) and logged as a rate-limited warning. A sync push joins its round
 only once it is known to apply, and a round that still fails answers every member with the
 error. SAVE writes only under ``PSConfig.save_root`` (default: the working directory).
+
+Inference (``docs/ps_inference.md``): a server started ``read_only`` serves an inference-only
+job, and a worker that sent INFER has turned to inference; either way PUSH, INIT, SET_LR and a
+PULL that may create rows are refused with a :class:`RequestError` naming the mode, and such a
+worker leaves the sync rounds (as after BYE) while still taking part in barriers.
+
+Heter workers (``PSConfig.heter_workers``, ``docs/heter.md``) connect as the ranks after the
+trainers': their pushes are applied on arrival in every mode, they take no part in sync rounds
+or barrier counts, and the server finishes once they, too, said BYE.
 """
 from __future__ import annotations
 
@@ -41,7 +50,7 @@ import time
 from typing import Any, Optional
 
 from fleetx.checkpoint import CheckpointError, SaveWriter
-from fleetx.ps import kernels, requests
+from fleetx.ps import kernels, readonly, requests
 from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, ProtocolError, PSConfig,
                            PSError, Tables, endpoint_of)
 from fleetx.ps.checkpoint import confine
@@ -71,11 +80,13 @@ class _Lost:
 
 
 class _Worker:
-    __slots__ = ("rank", "name", "link", "state", "last_request")
+    __slots__ = ("rank", "name", "link", "state", "last_request", "infer")
 
     def __init__(self, rank: int, name: str, link: Optional[Link]) -> None:
         self.rank, self.name, self.link, self.state = rank, name, link, "active"
         self.last_request = time.monotonic()  # heartbeats do not count: they prove life only
+        self.infer = False  # turned to inference: no writes, no sync rounds
+
 
 
 class PSServer:
@@ -90,6 +101,7 @@ class PSServer:
             ``config.save_root``), or from a list: a base save, then its deltas in order.
         load_tables: load only these tables from it (None: all).
         capacity: sparse rows to preallocate per table.
+        read_only: serve an inference-only job: every write is refused, naming the mode.
 
     Raises:
         PSConfigError: ``load_dir`` is outside the save root, or a table's shape changed.
@@ -102,10 +114,11 @@ class PSServer:
 
     def __init__(self, config: PSConfig, index: int, tables: Tables,
                  load_dir: Any = None, capacity: int = 1024,
-                 load_tables: Optional[list] = None) -> None:
+                 load_tables: Optional[list] = None, read_only: bool = False) -> None:
         if not 0 <= index < config.num_servers:
             raise PSConfigError(f"server index {index} outside [0, {config.num_servers})")
         self.config, self.index, self.tables = config, index, tables
+        self.read_only = read_only
         self.name = f"server {index} ({config.servers[index]})"
         self.save_root = os.path.realpath(config.save_root or os.getcwd())
         if load_dir:
@@ -131,7 +144,8 @@ class PSServer:
                           Kind.PULL: self._on_pull, Kind.PUSH: self._on_push,
                           Kind.INIT: self._on_init, Kind.SET_LR: self._on_set_lr,
                           Kind.BARRIER: self._on_barrier, Kind.SAVE: self._on_save,
-                          Kind.STATS: self._on_stats, Kind.SHRINK: self._on_shrink}
+                          Kind.STATS: self._on_stats, Kind.SHRINK: self._on_shrink,
+                          Kind.INFER: self._on_infer}
 
     # ------------------------------------------------------------------ life cycle
 
@@ -159,9 +173,9 @@ class PSServer:
         t.start()
         self._threads.append(t)
         self._acceptor.start()
-        log.info("%s: listening on %s (%s), mode %s, %d workers expected", self.name,
+        log.info("%s: listening on %s (%s), mode %s, %d workers expected%s", self.name,
                  self.endpoint, self.config.transport, self.config.mode.value,
-                 self.config.num_workers)
+                 self.config.num_workers, _serving(self.config, self.read_only))
         kernels.log_backend(log, self.name)
         return self
 
@@ -281,6 +295,7 @@ class PSServer:
             if handler is None or msg.is_reply:
                 raise ProtocolError(f"unexpected {msg.kind.name} frame")
             requests.check_meta(msg.kind.name, msg.meta)
+            self._check_writable(link, msg)
             worker = self._workers.get(link.peer_info.get("rank"))
             if worker is not None and worker.link is link:
                 worker.last_request = time.monotonic()
@@ -320,17 +335,36 @@ class PSServer:
 
     def _finished(self) -> bool:
         states = [self._workers[r].state if r in self._workers else None
-                  for r in range(self.config.num_workers)]
+                  for r in self._registering()]
         return all(s in ("finished", "lost") for s in states)
+
+    def _registering(self) -> range:
+        """Ranks that must connect: the trainers, then the heter workers (an inference-only
+        job runs the heter sections on the trainers: its heter workers do not connect)."""
+        heter = 0 if self.read_only else self.config.num_heter_workers
+        return range(self.config.num_workers + heter)
+
+    def _check_writable(self, link: Link, msg: Message) -> None:
+        """Inference: refuse anything that would change a table (:mod:`.readonly`)."""
+        what = readonly.write_of(msg.kind, msg.meta)
+        worker = self._workers.get(link.peer_info.get("rank"))
+        if what and (self.read_only or (worker is not None and worker.infer)):
+            raise readonly.refusal(what, self.name, self.read_only, worker and worker.name)
 
     # ------------------------------------------------------------------ workers
 
     def _on_hello(self, link: Link, msg: Message) -> Message:
         m = msg.meta
         rank = m.get("rank")
-        if type(rank) is not int or not 0 <= rank < self.config.num_workers:
+        ranks = self._registering()
+        if type(rank) is not int or rank not in ranks:
             raise PSConfigError(f"HELLO: worker rank {rank!r} is not an integer in "
-                              f"[0, {self.config.num_workers})")
+                              f"[0, {len(ranks)})")
+        infer = requests.optional_bool("HELLO", m, "infer")
+        if self.read_only and not infer:
+            raise PSConfigError(f"worker {rank} wants to train, but {self.name} serves an "
+                                "inference-only job (read-only tables); start training jobs "
+                                "with fleet.init_server() and fleet.run_server()")
         if m.get("fingerprint") != self.tables.fingerprint():
             raise PSConfigError(f"worker {rank} has another table layout than this server; "
                               "build the tables from the same model and optimizer everywhere")
@@ -340,10 +374,21 @@ class PSServer:
         old = self._workers.get(rank)
         if old is not None:
             raise PSConfigError(f"worker rank {rank} already {old.state} ({old.name})")
-        link.name = f"worker {rank} (pid {m.get('pid')} on {m.get('host')})"
+        who = "worker" if rank < self.config.num_workers else \
+            f"heter worker {rank - self.config.num_workers}, rank"
+        link.name = f"{who} {rank} (pid {m.get('pid')} on {m.get('host')})"
         link.peer_info["rank"] = rank
         self._workers[rank] = _Worker(rank, link.name, link)
-        return msg.reply({"server": self.index, "initialized": sorted(self.shard.initialized)})
+        self._workers[rank].infer = infer
+        return msg.reply({"server": self.index, "initialized": sorted(self.shard.initialized),
+                          "read_only": self.read_only})
+
+    def _on_infer(self, link: Link, msg: Message) -> Message:
+        """The worker turned to inference: refuse its writes from now on, and let the sync
+        rounds go on without it (it still counts in barriers)."""
+        self._workers[link.peer_info["rank"]].infer = True
+        self._progress()
+        return msg.reply()
 
     def _on_bye(self, link: Link, msg: Message) -> Message:
         self._workers[link.peer_info["rank"]].state = "finished"
@@ -368,18 +413,23 @@ class PSServer:
 
     def _check_registration(self, now: float) -> None:
         if now - self._started < self.config.timeout or len(self._workers) == \
-                self.config.num_workers:
+                len(self._registering()):
             return
-        for rank in range(self.config.num_workers):
+        for rank in self._registering():
             if rank not in self._workers:
                 self._workers[rank] = _Worker(rank, f"worker {rank}", None)
                 self._mark_lost(self._workers[rank], "did not connect within "
                                 f"{self.config.timeout:.0f} s")
 
-    def _expected(self) -> list[int]:
-        """Ranks a sync round or barrier must hear from: all but the stopped ones."""
-        return [r for r in range(self.config.num_workers)
-                if r not in self._workers or self._workers[r].state != "finished"]
+    def _expected(self, rounds: bool = False) -> list[int]:
+        """Trainer ranks a barrier (or, with ``rounds``, a sync round) must hear from: all
+        but the stopped ones, and for rounds also those that turned to inference."""
+        out = []
+        for r in range(self.config.num_workers):
+            w = self._workers.get(r)
+            if w is None or (w.state != "finished" and not (rounds and w.infer)):
+                out.append(r)
+        return out
 
     def _progress(self) -> None:
         self._try_rounds()
@@ -392,7 +442,7 @@ class PSServer:
 
     def _on_push(self, link: Link, msg: Message) -> Optional[Message]:
         push = self._checked_push(link, msg)
-        if self.config.mode == PSMode.SYNC:
+        if self.config.mode == PSMode.SYNC and link.peer_info["rank"] < self.config.num_workers:
             self._waits.push(link.peer_info["rank"], Waiting(link, msg, push, time.monotonic()))
             self._try_rounds()
             return None
@@ -424,7 +474,7 @@ class PSServer:
         if self._lost:
             return self._fail_waits()
         while True:
-            entries = self._waits.next_round(self._expected())
+            entries = self._waits.next_round(self._expected(rounds=True))
             if entries is None:
                 return
             try:
@@ -478,7 +528,8 @@ class PSServer:
             return
         active = {r: w.last_request for r, w in self._workers.items() if w.state == "active"}
         timeout = self.config.timeout
-        for stall in stalled(self._waits, active, self._expected(), now, timeout):
+        for stall in stalled(self._waits, active, self._expected(), now, timeout,
+                             self._expected(rounds=True)):
             w = self._workers[stall.rank]
             if w.link is not None:
                 w.link.close()  # it may wake up later: it must not rejoin a failed job
@@ -519,8 +570,6 @@ class PSServer:
                 f"{s['max_rss_bytes'] / 2 ** 20:.0f} MiB; {rate:.1f} requests/s")
 
 
-def run_server(config: PSConfig, index: int, tables: Tables, load_dir: Any = None,
-               load_tables: Optional[list] = None) -> None:
-    """Build a :class:`PSServer` and serve until every worker stopped (``fleet.run_server``)."""
-    PSServer(config, index, tables, load_dir=load_dir, load_tables=load_tables).run()
+                 load_dir: Any = None, capacity: int = 1024,
+                 load_tables: Optional[list] = None, read_only: bool = False) -> None:
 

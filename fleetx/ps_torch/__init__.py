@@ -11,6 +11,9 @@ rules) knows nothing of torch or of a training step. This package is what a work
 * :mod:`.progress` - a worker's samples/s and mean-loss lines.
 * :mod:`.runtime` - :class:`PSRuntime`, what ``fleet.init_worker`` / ``init_server`` /
   ``run_server`` / ``stop_worker`` and each optimizer step do.
+* :mod:`.inference` - a worker that only reads (distributed inference).
+* :mod:`.heter`, :mod:`.heter_worker` - heter workers: the trainer's link to its heter worker
+  and the service that runs the model's :class:`~fleetx.nn.HeterSection` blocks.
 
 Contract: this package imports :mod:`fleetx.ps` and :mod:`fleetx.nn`; neither imports it back
 (a test of the import graph keeps it so). Its public names are the ones below.

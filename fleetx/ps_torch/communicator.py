@@ -52,20 +52,27 @@ class Communicator(abc.ABC):
         self.dense_names = [t.name for t in tables.dense]
 
     def start(self, dense: Optional[Mapping[str, np.ndarray]] = None,
-              sparse: Optional[Mapping[str, tuple]] = None) -> dict[str, np.ndarray]:
+              sparse: Optional[Mapping[str, tuple]] = None, *,
+              assign: Optional[bool] = None, meet: bool = True) -> dict[str, np.ndarray]:
         """Connect, let worker 0 assign initial values, meet the other workers.
 
         Args:
             dense: table -> flat initial weights (only worker 0's are used).
             sparse: table -> ``(ids, rows)`` initial rows of bounded tables (worker 0's).
+            assign: send ``dense`` / ``sparse`` (default: on worker 0 only). Tables a server
+                already holds keep their values, so every process of a job may assign the
+                same initial values and the first one counts (a heter worker does).
+            meet: wait at the start barrier for the other workers (a heter worker, not
+                counted in barriers, assigns its tables itself instead).
 
         Returns:
             table -> the servers' flat dense weights (a checkpoint's, if one was loaded).
         """
         self.client.start()
-        if self.rank == 0 and (dense or sparse):
+        if (self.rank == 0 if assign is None else assign) and (dense or sparse):
             self.client.init(sparse, dense).wait()
-        self.client.barrier("fleetx.ps.start").wait()
+        if meet:
+            self.client.barrier("fleetx.ps.start").wait()
         values = self.client.pull(dense=self.dense_names).wait().dense if self.dense_names \
             else {}
         self._started(values)

@@ -10,6 +10,9 @@ the parameter server that import torch):
   param group (the group's parameters flattened in order, its hyper-parameters as the rule).
   Servers and workers call it on the same model and optimizer and get the same
   :class:`~fleetx.ps.api.Tables`; calling it again on the converted model gives them again.
+  The parameters of :class:`~fleetx.nn.HeterSection` blocks go to tables of their own
+  (``heter.<group>``), which a heter worker pushes in a heter job (``docs/heter.md``);
+  :meth:`ModelLayout.restricted` is the layout of one side of that split.
 * ``dense_values`` / ``dense_grads`` / ``load_dense`` / ``sparse_grads`` / ``initial_sparse``
   convert between the model and the communicator's flat numpy arrays.
 * :class:`RemoteSparseBackend` serves ``SparseEmbedding`` lookups through a communicator, with
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fleetx.nn.heter import HeterSection, sections
 from fleetx.nn.sparse_embedding import SparseEmbedding, SparseEmbeddingBag
 from fleetx.ps import kernels
 from fleetx.ps.api import DenseTableSpec, RuleConfig, SparseTableSpec, Tables
@@ -32,7 +36,11 @@ from fleetx.ps.client import SparseRows
 from fleetx.ps.rules import make_rule
 from fleetx.ps.table import SparseTable
 
-__all__ = ["ModelLayout", "convert_embeddings", "RemoteSparseBackend", "LocalSparseBackend"]
+__all__ = ["ModelLayout", "convert_embeddings", "RemoteSparseBackend", "LocalSparseBackend",
+           "HETER_PREFIX"]
+
+#: dense tables of heter sections are named ``heter.<param group>``
+HETER_PREFIX = "heter"
 
 
 def convert_embeddings(model: nn.Module) -> dict[int, SparseEmbedding]:
@@ -70,10 +78,12 @@ def _release(optimizer: torch.optim.Optimizer, converted: dict) -> None:
 class ModelLayout:
     """How one model's parameters map onto tables. Build it with :meth:`of`."""
 
-    def __init__(self, tables: Tables, sparse: dict, dense: list) -> None:
+    def __init__(self, tables: Tables, sparse: dict, dense: list,
+                 heter: Optional[dict] = None) -> None:
         self.tables = tables
         self.sparse: dict[str, SparseEmbedding] = sparse
         self.dense: list[tuple[str, list[torch.Tensor]]] = dense
+        self.heter: dict[str, HeterSection] = heter or {}  # the model's sections, by name
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -96,15 +106,32 @@ class ModelLayout:
             specs.append(SparseTableSpec(m.table_name, m.embedding_dim, rule, m.init,
                                          m.num_embeddings, m.entry, m.accessor))
             sparse[m.table_name] = m
+        heter = sections(model)
+        in_heter = {id(p) for m in heter.values() for p in m.parameters()}
         dense, dense_specs = [], []
         for i, group in enumerate(optimizer.param_groups):
             params = [p for p in group["params"] if p.requires_grad]
-            if params:
-                name = f"dense.{i}"
-                dense.append((name, params))
-                dense_specs.append(DenseTableSpec(name, sum(p.numel() for p in params),
-                                                  RuleConfig.from_param_group(opt_name, group)))
-        return cls(Tables(tuple(specs), tuple(dense_specs)), sparse, dense)
+            for prefix, part in (("dense", [p for p in params if id(p) not in in_heter]),
+                                 (HETER_PREFIX, [p for p in params if id(p) in in_heter])):
+                if part:
+                    name = f"{prefix}.{i}"
+                    dense.append((name, part))
+                    dense_specs.append(DenseTableSpec(name, sum(p.numel() for p in part),
+                                                      RuleConfig.from_param_group(opt_name,
+                                                                                  group)))
+        return cls(Tables(tuple(specs), tuple(dense_specs)), sparse, dense, heter)
+
+    def heter_tables(self) -> list[str]:
+        """The dense tables of the heter sections' parameters."""
+        return [n for n, _ in self.dense if n.startswith(HETER_PREFIX + ".")]
+
+    def restricted(self, dense: list[str]) -> "ModelLayout":
+        """The same tables and sparse modules, with only the dense tables named in ``dense``
+        moved by ``dense_values`` / ``dense_grads`` / ``load_dense`` (one side of a heter
+        job: the trainers' tables or the heter worker's)."""
+        keep = set(dense)
+        return ModelLayout(self.tables, self.sparse, [(n, ps) for n, ps in self.dense
+                                                      if n in keep], self.heter)
 
     def lr_groups(self) -> dict[int, list[str]]:
         """``{optimizer param group: tables whose learning rate is that group's}``: its dense

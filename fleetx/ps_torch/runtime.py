@@ -19,6 +19,11 @@ in place). Then:
 A worker prints ``samples/s`` and the mean loss every ``log_interval`` seconds, and says where
 it saved (``saved to <path>``) and, alone, where it loaded from (``loaded from <path>``).
 
+:meth:`PSRuntime.init_inference` (``DistributedInfer.init_distributed_infer_env``) turns any
+role to inference (:mod:`.inference`): servers of an inference-only job serve a save read-only,
+workers read with lookups that never create rows, and a worker that trained first sends what it
+holds and meets the others before it reads.
+
 A script run alone (plain ``python``, no servers) that calls ``init_server(dirname)`` only in
 its server branch never loads the checkpoint: that branch does not run. Evaluating such a
 never-trained, never-loaded model would silently score the initial weights, so the first
@@ -38,6 +43,9 @@ from torch import nn
 from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint, kernels
 from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
+from fleetx.ps_torch.heter import attach, detach
+from fleetx.ps_torch.heter_worker import HeterWorker, heter_device
+from fleetx.ps_torch.inference import NO_STEP, InferenceSession
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.progress import CountedModel, Progress
 from fleetx.ps.server import run_server
@@ -93,16 +101,22 @@ class _LocalSession:
 
 
 class _RemoteSession:
-    """A worker connected to the servers through the communicator of the job's mode."""
+    """A worker connected to the servers through the communicator of the job's mode (and, in a
+    heter job, to its heter worker, which runs the model's sections and pushes their tables)."""
 
     def __init__(self, layout: ModelLayout, config: PSConfig, rank: int,
                  comm: CommunicatorConfig) -> None:
-        self.layout, self.mode, self.stopped = layout, config.mode, False
+        heter = bool(config.num_heter_workers and layout.heter)
+        self.full, self.mode, self.stopped = layout, config.mode, False
+        self.layout = layout.restricted([n for n, _ in layout.dense
+                                         if n not in layout.heter_tables()]) if heter else layout
         self.comm = make_communicator(config, rank, layout.tables, comm)
         self.backend = RemoteSparseBackend(self.comm)
         initial = layout.initial_sparse() if rank == 0 else None
+        # worker 0 assigns every table's start, the heter sections' too
         self._params = self.comm.start(layout.dense_values(), initial)
-        layout.load_dense(self._params)
+        self.layout.load_dense(self._params)
+        self.heter = attach(layout.heter, config, rank, layout.tables) if heter else None
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         geo = self.mode == PSMode.GEO
@@ -114,6 +128,8 @@ class _RemoteSession:
         self.layout.load_dense(params)
         self._params = params
         self.backend.clear()
+        if self.heter is not None:  # after the servers' round: a stalled peer is named there
+            self.heter.step()
 
     def set_lr(self, lr: float, tables: list) -> None:
         self.comm.set_lr(lr, tables)
@@ -136,13 +152,25 @@ class _RemoteSession:
             if names:
                 self.layout.load_dense(self.comm.client.pull(dense=names).wait().dense)
 
+    def to_inference(self) -> InferenceSession:
+        """Flush, tell the servers, meet the other workers; then read only (the heter
+        sections run here from now on)."""
+        if self.heter is not None:
+            self.heter.stop()
+            detach(self.full.heter)
+        return InferenceSession.after_training(self.full, self.comm)
+
     def _reload(self) -> None:
         if self.mode == PSMode.GEO:  # a flush exchanged pending steps into the last params
             self.layout.load_dense(self._params)
 
     def stop(self) -> None:
         self.stopped = True
-        self.comm.stop()
+        try:
+            if self.heter is not None:
+                self.heter.stop()
+        finally:
+            self.comm.stop()
         self._reload()
 
 
@@ -157,6 +185,8 @@ class PSRuntime(TableCalls):
         index: this worker's rank, or this server's index.
         comm: the worker's sending knobs (``a_sync_configs``).
         log_interval: seconds between a worker's progress lines (0: none).
+        heter_device: on a heter worker, ``heter_worker_device_guard`` (``index`` is then its
+            index among the heter workers); None on every other role.
 
     Example:
         >>> runtime = PSRuntime(model, opt, config, is_server=False, index=0)  # doctest: +SKIP
@@ -165,9 +195,10 @@ class PSRuntime(TableCalls):
 
     def __init__(self, model: Optional[nn.Module], optimizer: torch.optim.Optimizer,
                  config: Optional[PSConfig], *, is_server: bool, index: int,
-                 comm: Optional[CommunicatorConfig] = None, log_interval: float = 10.0) -> None:
+                 comm: Optional[CommunicatorConfig] = None, log_interval: float = 10.0,
+                 heter_device: Optional[str] = None) -> None:
         self.model, self.inner, self.config = model, optimizer, config
-        self.is_server, self.index = is_server, index
+        self.is_server, self.index, self.heter_device = is_server, index, heter_device
         self.comm = comm or CommunicatorConfig()
         self.layout = ModelLayout.of(model, optimizer) if model is not None else None
         if config is not None and self.layout is not None:  # every role fails at once
@@ -182,6 +213,7 @@ class PSRuntime(TableCalls):
         self._trained = False  # any step at all
         self._start_chosen = False  # init_server was called: the starting weights are chosen
         self._delta_blocked = False  # a save failed: no delta until a full save
+        self._inference = False  # init_inference was called: reads only
 
     # -- the fleet's runtime interface -----------------------------------------------------
     def init_worker(self) -> None:
@@ -190,9 +222,10 @@ class PSRuntime(TableCalls):
         Raises:
             StateError: on a server, twice, or before ``fleet.distributed_model``.
         """
-        if self.is_server:
-            raise StateError("init_worker() runs on workers; this process is a server "
-                             "(call fleet.init_server() and fleet.run_server())")
+        if self.is_server or self.is_heter:
+            raise StateError(f"init_worker() runs on workers; this process is a "
+                             f"{'heter worker' if self.is_heter else 'server'} (call "
+                             "fleet.init_server() and fleet.run_server())")
         if self._session is not None:
             raise StateError("init_worker() was already called")
         layout = self._layout("init_worker")
@@ -234,7 +267,7 @@ class PSRuntime(TableCalls):
                 isinstance(n, str) for n in var_names)):
             raise ValueError(f"init_server(var_names={var_names!r}): expected a list of table "
                              "names")
-        if not self.is_server and self.config is not None:
+        if not self.is_server and not self.is_heter and self.config is not None:
             raise StateError("init_server() runs on servers; this process is a worker")
         self._layout("init_server")
         if self.config is None and self._session is not None:
@@ -245,15 +278,63 @@ class PSRuntime(TableCalls):
         self._var_names = None if var_names is None else list(var_names)
         self._start_chosen = True
 
-    def run_server(self) -> None:
-        """Serve until every worker stopped. Raises the error naming a lost worker."""
+    def run_server(self, read_only: bool = False) -> None:
+        """Serve until every worker stopped (``read_only``: an inference-only job). Raises the
+        error naming a lost worker."""
+        if self.is_heter:
+            return self._run_heter()
         if not self.is_server:
             if self.config is None:
                 return  # no servers: this process trains alone
             raise StateError("run_server() runs on servers; this process is a worker")
         _log_to_stderr()
         run_server(self.config, self.index, self._layout("run_server").tables,
-                   load_dir=self._load_dir, load_tables=self._var_names)
+                   load_dir=self._load_dir, load_tables=self._var_names,
+                   read_only=read_only)
+
+    def init_inference(self, dirname: Optional[str] = None) -> None:
+        """Turn this process to inference (``DistributedInfer.init_distributed_infer_env``).
+
+        * a server of a job that has not served yet serves ``dirname`` read-only until every
+          worker stopped (it returns then);
+        * a worker that has not started joins such a job as a reader (no servers: it loads
+          ``dirname`` into its local tables); one that trained sends what it holds, tells the
+          servers, and meets the other workers before it reads (:mod:`.inference`);
+        * from then on lookups never create rows and an optimizer step raises ``StateError``.
+
+        Raises:
+            StateError: a server without ``dirname`` (it would serve untrained tables), or a
+                worker of a one-process job given ``dirname`` after it started.
+        """
+        if self.is_heter:  # inference runs the sections on the workers
+            _log_to_stderr()
+            log.info("heter worker %d: inference runs the heter sections on the workers; "
+                     "nothing to serve", self.index)
+            return
+        if self.is_server:
+            if not dirname:
+                raise StateError("init_distributed_infer_env(dirname=None) on a server of an "
+                                 "inference-only job: it would serve untrained tables; pass "
+                                 "the folder save_persistables wrote")
+            self.init_server(dirname)
+            return self.run_server(read_only=True)
+        if self._inference:
+            return
+        if self._session is None:
+            if self.config is None:
+                if dirname:
+                    self.init_server(dirname)
+                self.init_worker()
+            else:
+                self._session = InferenceSession.connect(self._layout("init_inference"),
+                                                         self.config, self.index)
+                self.layout.bind(self._session.backend)
+        elif isinstance(self._session, _RemoteSession):
+            self._session = self._started("init_inference").to_inference()
+            self.layout.bind(self._session.backend)
+        elif dirname:  # a one-process job that started: too late to load (init_server says so)
+            self.init_server(dirname)
+        self._inference = True
 
     def stop_worker(self) -> None:
         """Send what is queued, tell the servers this worker is done, disconnect."""
@@ -304,10 +385,25 @@ class PSRuntime(TableCalls):
         if hasattr(session, "barrier"):
             session.barrier(name)
 
+    @property
+    def is_heter(self) -> bool:
+        """This process is a heter worker."""
+        return self.heter_device is not None
+
+    def _run_heter(self) -> None:
+        """A heter worker's ``run_server``: serve the sections until its trainers stopped."""
+        _log_to_stderr()
+        device, note = heter_device(self.heter_device)
+        log.info("heter worker %d: %s", self.index, note)
+        HeterWorker(self.config, self.index, self._layout("run_server"), self.comm,
+                    device).run()
+
     # -- hooks the strategy installs ---------------------------------------------------------
     def step(self) -> None:
         """One optimizer step (called by :class:`PSOptimizer`)."""
         session = self._started("step")
+        if self._inference:
+            raise StateError(NO_STEP)
         self._sync_lr()
         session.step(self.inner)
         self._stepped = self._trained = True

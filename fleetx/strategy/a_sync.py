@@ -18,6 +18,10 @@ tables), installs the :class:`~fleetx.ps_torch.runtime.PSRuntime` behind ``fleet
 ``init_server`` / ``run_server`` / ``stop_worker`` / ``save_persistables``, and routes every
 optimizer step through it. Without servers (a script started without a launcher) it trains in
 the process with the same tables and rules.
+
+With heter workers (``fleetrun --heter_worker_num N``, ``docs/heter.md``) the trainers run the
+model up to its :class:`~fleetx.nn.HeterSection` blocks and the heter workers run those, on the
+device ``heter_worker_device_guard`` names; async, or sync (lock-step) with one heter worker.
 """
 from __future__ import annotations
 
@@ -72,8 +76,9 @@ class AsyncConfig(Config):
         True, "Paddle: wait for all servers before training.",
         no_effect="workers always wait for the servers, up to FLEETX_TIMEOUT")
     heter_worker_device_guard: str = option(
-        "cpu", "Paddle: device of the heterogeneous workers.", choices=("cpu", "gpu", "xpu"),
-        no_effect="heterogeneous workers are not offered")
+        "cpu", "Heter workers: the device their HeterSections run on: gpu (CUDA when the heter "
+        "worker sees a device, else the CPU, which its log says), xpu (likewise), cpu.",
+        choices=("cpu", "gpu", "xpu"))
     lr_decay_steps: int = option(
         10, "Paddle: steps between learning-rate decays on the servers.", ge=1,
         no_effect="use an LR scheduler; its rate reaches the servers")
@@ -105,7 +110,7 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
                     dead_after=env.get_float("FLEETX_PS_DEAD_AFTER", 15.0, e),
                     timeout=default_timeout(e),
                     log_interval=interval if interval > 0 else float("inf"),
-                    **_ps_limits(e), **settings_from_env(e))
+                    heter_workers=world.heter_endpoints, **_ps_limits(e), **settings_from_env(e))
 
 
 def _log_interval(world) -> float:
@@ -119,6 +124,22 @@ def _ps_limits(e) -> dict:
             "max_rows": env.get_int("FLEETX_PS_MAX_ROWS", 0, e),
             "nonfinite": env.get("FLEETX_PS_NONFINITE", "refuse", e),
             "save_root": env.get("FLEETX_PS_SAVE_ROOT", None, e)}
+
+
+def _heter_part(mode: str, world, configs) -> tuple[str, str]:
+    """``(the heter workers' part of the plan's reason, why they cannot run)``; both empty
+    without heter workers. They cannot run in GEO mode, nor several of them in lock-step."""
+    count = len(world.heter_endpoints)
+    if not count:
+        return "", ""
+    if mode == "geo":
+        return "", ("heter workers train in sync or async mode, not GEO (Paddle's heter PS is "
+                    "async only); set a_sync_configs k_steps to 0")
+    if mode == "sync" and count > 1:
+        return "", (f"a sync (lock-step) job takes one heter worker, not {count}: several would "
+                    "each push a part of every step; use async mode, or --heter_worker_num 1")
+    return (f", {count} heter worker(s) on {configs['heter_worker_device_guard']} "
+            f"({'lock-step' if mode == 'sync' else 'async'})"), ""
 
 
 def _communicator(cfg: AsyncConfig) -> CommunicatorConfig:
@@ -153,17 +174,22 @@ class ParameterServerStrategy(Strategy):
         tables = f"sparse tables: {', '.join(sparse)}" if sparse else "no sparse tables"
         if not world.server_num:
             return Verdict.ok(f"no servers: trains in this process with local tables ({tables})")
+        heter, problem = _heter_part(mode, world, self.strategy.a_sync_configs)
+        if problem:
+            return Verdict.fail(problem)
         k = f", k_steps={self.strategy.a_sync_configs['k_steps']}" if mode == "geo" else ""
         return Verdict.ok(f"{mode} mode{k}: {world.server_num} server(s), {world.world_size} "
-                          f"worker(s); {tables}")
+                          f"worker(s){heter}; {tables}")
 
     def apply(self, ctx: TrainingContext) -> None:
         world = ctx.world  # its environ holds the launcher's settings: nothing is read here
+        cfg = self.strategy.typed_config("a_sync")
+        heter, guard = world.is_heter_worker, cfg.heter_worker_device_guard
         runtime = PSRuntime(
             ctx.model, ctx.optimizer, ps_config(self.strategy, world),
-            is_server=world.is_server, index=world.rank,
-            comm=_communicator(self.strategy.typed_config("a_sync")),
-            log_interval=_log_interval(world))
+            is_server=world.is_server, index=world.rank - world.world_size if heter else world.rank,
+            comm=_communicator(cfg), log_interval=_log_interval(world),
+            heter_device=guard if heter else None)
         ctx.runtime = runtime
         ctx.optimizer = runtime.optimizer
         ctx.forward_contexts.append(runtime.forward_scope)

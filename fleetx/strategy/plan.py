@@ -40,6 +40,9 @@ class WorldInfo:
         server_num: number of parameter servers (0 in collective mode).
         device: ``"cpu"`` or ``"cuda"``.
         server_endpoints: ``ip:port`` of every parameter server, in server-index order.
+        is_heter_worker: this process is a heter worker (``rank`` is then ``world_size`` plus
+            its index among the heter workers, as Paddle numbers them).
+        heter_endpoints: ``ip:port`` of every heter worker, in index order.
         environ: the launcher contract's variables (``fleetx.env``) that are set, read when the
             world is made; strategies take settings from here, never from the process
             environment in ``apply``. Left out of ``repr`` (it may hold a secret) and of
@@ -56,6 +59,8 @@ class WorldInfo:
     server_num: int = 0
     device: str = "cpu"
     server_endpoints: tuple[str, ...] = ()
+    is_heter_worker: bool = False
+    heter_endpoints: tuple[str, ...] = ()
     environ: Mapping[str, str] = field(default_factory=lambda: _contract_environ(),
                                        repr=False, compare=False, hash=False)
 

@@ -78,8 +78,10 @@ def snapshot(emb, tags, mlp) -> dict:
 
 
 # -- processes ----------------------------------------------------------------------------------
-def start_job(out: Path, servers: int, workers: int, *args: str, extra_env=None) -> list:
-    """Start every role of a job (servers first); returns ``[(name, Popen)]``."""
+def start_job(out: Path, servers: int, workers: int, *args: str, extra_env=None,
+              script: Path = SCRIPT) -> list:
+    """Start every role of a job (servers first) running ``script``; returns
+    ``[(name, Popen)]``."""
     ports = free_ports(servers + workers)
     server_eps = [f"127.0.0.1:{p}" for p in ports[:servers]]
     worker_eps = [f"127.0.0.1:{p}" for p in ports[servers:]]
@@ -91,16 +93,16 @@ def start_job(out: Path, servers: int, workers: int, *args: str, extra_env=None)
     procs = []
     for i, ep in enumerate(server_eps):
         env = dict(base, TRAINING_ROLE="PSERVER", PADDLE_PORT=ep.rsplit(":", 1)[1])
-        procs.append((f"server {i}", _spawn(env, out, args)))
+        procs.append((f"server {i}", _spawn(env, out, args, script)))
     for r, ep in enumerate(worker_eps):
         env = dict(base, TRAINING_ROLE="TRAINER", PADDLE_TRAINER_ID=str(r),
                    PADDLE_PORT=ep.rsplit(":", 1)[1])
-        procs.append((f"worker {r}", _spawn(env, out, args)))
+        procs.append((f"worker {r}", _spawn(env, out, args, script)))
     return procs
 
 
-def _spawn(env: dict, out: Path, args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), *args], env=env,
+def _spawn(env: dict, out: Path, args, script: Path = SCRIPT) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(script), "--out", str(out), *args], env=env,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -118,10 +120,11 @@ def finish(procs, timeout: float = 120.0) -> dict:
 
 
 def run_job(out: Path, servers: int, workers: int, *args: str, extra_env=None,
-            timeout: float = 120.0) -> dict:
+            timeout: float = 120.0, script: Path = SCRIPT) -> dict:
     """Run a job to the end; every process must exit 0."""
     out.mkdir(parents=True, exist_ok=True)
-    results = finish(start_job(out, servers, workers, *args, extra_env=extra_env), timeout)
+    results = finish(start_job(out, servers, workers, *args, extra_env=extra_env,
+                               script=script), timeout)
     for name, (rc, text) in results.items():
         assert rc == 0, f"{name} exited {rc}:\n{text[-3000:]}"
     return results

@@ -92,9 +92,17 @@ def test_ps_without_servers_is_local():
 @pytest.mark.parametrize("extra, message", [
     ({"PADDLE_TRAINERS_NUM": ""}, "Can not find PADDLE_TRAINERS_NUM"),
     ({}, "Can not find TRAINING_ROLE"),
-    ({"TRAINING_ROLE": "BOSS"}, "TRAINING_ROLE must be PSERVER or TRAINER, but got 'BOSS'"),
-    ({"TRAINING_ROLE": "HETER_TRAINER"}, "TRAINING_ROLE must be PSERVER or TRAINER, but got "
-                                         "'HETER_TRAINER'"),
+    ({"TRAINING_ROLE": "BOSS"}, "TRAINING_ROLE must be PSERVER or TRAINER or HETER_TRAINER, "
+                                "but got 'BOSS'"),
+    ({"TRAINING_ROLE": "HETER_TRAINER"}, "Can not find PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST"),
+    ({"TRAINING_ROLE": "HETER_TRAINER", "PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST": "h:1",
+      "POD_IP": "h", "PADDLE_PORT": "2"},
+     "this heter worker's endpoint h:2 (POD_IP:PADDLE_PORT) is not in "
+     "PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST=h:1"),
+    ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "0",
+      "PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST": "h:1", "PADDLE_HETER_TRAINER_IP_PORT_LIST": "h:2"},
+     "PADDLE_HETER_TRAINER_IP_PORT_LIST=h:2 disagrees with "
+     "PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST=h:1"),
     ({"TRAINING_ROLE": "TRAINER"}, "Can not find PADDLE_TRAINER_ID"),
     ({"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "2"},
      "PADDLE_TRAINER_ID=2 is outside [0, 2)"),
@@ -221,6 +229,23 @@ def test_paddle_trainers_num_is_not_checked_against_the_endpoints(trainers_num):
     assert (rm._worker_index(), rm._worker_num()) == (1, 2)
     rm = collective({"RANK": "0", "WORLD_SIZE": "2", "PADDLE_TRAINERS_NUM": trainers_num})
     assert rm._worker_num() == 2
+
+
+HETER = {"PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST": "127.0.0.1:6004,127.0.0.1:6005"}
+
+
+def test_heter_worker_role_from_the_reference_environment():
+    h = ps(dict(PS_BASE, **HETER, TRAINING_ROLE="HETER_TRAINER", POD_IP="127.0.0.1",
+                PADDLE_PORT="6005"))
+    assert h._is_heter_worker() and not h._is_worker() and not h._is_server()
+    assert h._heter_worker_num() == 2 and h._heter_worker_index() == 1
+    assert h._role_id() == 3  # Paddle: trainers + index
+    assert h._get_heter_worker_endpoints() == ["127.0.0.1:6004", "127.0.0.1:6005"]
+    w = ps(dict(PS_BASE, TRAINING_ROLE="TRAINER", PADDLE_TRAINER_ID="0",
+                PADDLE_HETER_TRAINER_IP_PORT_LIST="127.0.0.1:6004"))  # Paddle 2.0's name
+    assert w._heter_worker_num() == 1 and not w._is_heter_worker()
+    with pytest.raises(ValueError, match="not a heter worker"):
+        w._heter_worker_index()
 
 
 def test_heter_queries_and_paddle_to_string():

@@ -54,6 +54,10 @@ SCENARIOS = [
     # With servers the mode reaches the cluster config (nothing connects before init_worker).
     (dict(a_sync=False), WorldInfo(mode=Mode.PS, server_num=1,
                                    server_endpoints=("127.0.0.1:9",)), "sgd", False),
+    # A heter worker: the device guard reaches its runtime (nothing runs before run_server).
+    (dict(a_sync=True, a_sync_configs={"heter_worker_device_guard": "gpu"}),
+     WorldInfo(rank=1, mode=Mode.PS, server_num=1, server_endpoints=("127.0.0.1:9",),
+               is_heter_worker=True, heter_endpoints=("127.0.0.1:10",)), "sgd", False),
 ]
 
 
