@@ -570,6 +570,15 @@ class PSServer:
                 f"{s['max_rss_bytes'] / 2 ** 20:.0f} MiB; {rate:.1f} requests/s")
 
 
-                 load_dir: Any = None, capacity: int = 1024,
-                 load_tables: Optional[list] = None, read_only: bool = False) -> None:
+def _serving(config: PSConfig, read_only: bool) -> str:
+    """The end of the start-up line: heter workers and the inference-only mode."""
+    heter = f", {config.num_heter_workers} heter workers" if config.num_heter_workers else ""
+    return heter + (", inference only (read-only tables)" if read_only else "")
 
+
+def run_server(config: PSConfig, index: int, tables: Tables, load_dir: Any = None,
+               load_tables: Optional[list] = None, read_only: bool = False) -> None:
+    """Build a :class:`PSServer` and serve until every worker stopped (``fleet.run_server``;
+    ``load_tables``: load only these tables; ``read_only``: an inference-only job)."""
+    PSServer(config, index, tables, load_dir=load_dir, load_tables=load_tables,
+             read_only=read_only).run()
