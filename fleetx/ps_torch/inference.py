@@ -49,6 +49,17 @@ class _ServerReads:
         return self.client.pull(ids, create=False)
 
 
+class _Reader:
+    """The communicator an inference-only worker has: its client, nothing queued to send
+    (what ``fleet.save_inference_model`` and ``fleet.table_stats`` ask of a session)."""
+
+    def __init__(self, client: KVClient) -> None:
+        self.client = client
+
+    def flush(self) -> None:
+        """Nothing is ever queued: an inference-only worker sends no update."""
+
+
 class InferenceSession:
     """A worker that only reads: lookups from the servers, the servers' dense weights.
 
@@ -63,9 +74,10 @@ class InferenceSession:
     """
 
     def __init__(self, layout: ModelLayout, client: KVClient, stop: Callable[[], None],
-                 save: Optional[Callable[[str], object]] = None) -> None:
+                 save: Optional[Callable[[str, int], object]] = None, comm=None) -> None:
         self.layout, self.client, self.stopped = layout, client, False
         self._stop, self._save = stop, save
+        self.comm = comm if comm is not None else _Reader(client)
         self.backend = RemoteSparseBackend(_ServerReads(client), create=False)
         names = [t.name for t in layout.tables.dense]
         if names:
@@ -85,8 +97,10 @@ class InferenceSession:
         return cls(layout, client, client.stop)
 
     @classmethod
-    def after_training(cls, layout: ModelLayout, comm) -> "InferenceSession":
-        """Turn a training worker's communicator to inference: flush, INFER, barrier, load.
+    def after_training(cls, layout: ModelLayout, comm,
+                       save: Callable[[str, int], object]) -> "InferenceSession":
+        """Turn a training worker's communicator to inference: flush, INFER, barrier, load;
+        ``save(dirname, mode)`` writes a checkpoint from it (``save_persistables``).
 
         Raises:
             PeerLostError: a server or another worker was lost while this one waited.
@@ -94,16 +108,16 @@ class InferenceSession:
         comm.flush()
         comm.client.turn_to_inference().wait()
         comm.client.barrier(INFER_BARRIER).wait()
-        return cls(layout, comm.client, comm.stop, comm.save)
+        return cls(layout, comm.client, comm.stop, save, comm)
 
     def set_lr(self, lr: float, tables: list) -> None:
         """Nothing trains: a learning rate has nothing to change."""
 
-    def save(self, dirname: str) -> None:
+    def save(self, dirname: str, mode: int = 0) -> None:
         if self._save is None:
             raise StateError("save_persistables() in an inference-only job: it reads a save "
                              "and writes none; save in the training job")
-        self._save(dirname)
+        self._save(dirname, mode)
 
     def barrier(self, name: str) -> None:
         self.client.barrier(name).wait()

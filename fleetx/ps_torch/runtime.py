@@ -158,7 +158,9 @@ class _RemoteSession:
         if self.heter is not None:
             self.heter.stop()
             detach(self.full.heter)
-        return InferenceSession.after_training(self.full, self.comm)
+        return InferenceSession.after_training(
+            self.full, self.comm, lambda dirname, mode: saving.save_remote(
+                self.comm, self.comm.dense_names, dirname, mode))
 
     def _reload(self) -> None:
         if self.mode == PSMode.GEO:  # a flush exchanged pending steps into the last params

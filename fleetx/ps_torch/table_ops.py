@@ -108,7 +108,7 @@ class TableCalls:
             On worker 0 (and alone): ``{table: {"removed", "forgotten", "rows"}}``; else None.
 
         Raises:
-            StateError: on a server, or before ``init_worker``.
+            StateError: on a server, before ``init_worker``, or in inference.
             ValueError: ``threshold`` is not None or an int in ``[0, 2**24)``.
         """
         if threshold is not None and (not isinstance(threshold, int) or isinstance(
@@ -116,6 +116,10 @@ class TableCalls:
             raise ValueError(f"shrink(threshold={threshold!r}): expected None or an int in "
                              "[0, 2**24) (passes a row may go unseen)")
         session = self._worker_only("shrink", "every worker calls it after a pass")
+        if getattr(self, "_inference", False):
+            raise StateError("shrink() after DistributedInfer.init_distributed_infer_env(): "
+                             "this worker only reads, and a shrink removes rows; shrink before "
+                             "turning to inference")
         return shrink(session, self.index, threshold)
 
     def table_stats(self) -> dict:

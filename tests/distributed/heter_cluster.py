@@ -101,7 +101,8 @@ class Roles:
         for t in self.threads:
             t.join(timeout)
         alive = [t.name for t in self.threads if t.is_alive()]
-        assert not alive, f"still running: {alive}"
+        assert not alive, f"still running: {alive}; failed: " + "\n".join(
+            f"{k}:\n{v}" for k, v in self.errors.items())
 
 
 def runtime(config: PSConfig, role: str, index: int, lr: float,
@@ -113,9 +114,11 @@ def runtime(config: PSConfig, role: str, index: int, lr: float,
     return rt, model
 
 
-def train(config: PSConfig, rank: int, steps: int, lr: float, save: Optional[str] = None) -> dict:
+def train(config: PSConfig, rank: int, steps: int, lr: float, save: Optional[str] = None,
+          after: Optional[Callable[[PSRuntime], object]] = None) -> dict:
     """A trainer: ``steps`` steps on its share, then inference (the MLP comes back), then
-    (trainer 0, with ``save``) ``save_persistables(save)``."""
+    (trainer 0, with ``save``) ``save_persistables(save)``; ``after(runtime)``'s result is
+    returned under ``"after"``."""
     rt, model = runtime(config, "worker", rank, lr)
     rt.init_worker()
     losses = []
@@ -128,9 +131,10 @@ def train(config: PSConfig, rank: int, steps: int, lr: float, save: Optional[str
     rt.init_inference()
     if save:
         rt.save_persistables(save)
+    done = after(rt) if after is not None else None
     out = weights(model)
     rt.stop_worker()
-    return {"losses": np.array(losses), **out}
+    return {"losses": np.array(losses), "after": done, **out}
 
 
 def score(config: PSConfig, rank: int, lr: float) -> dict:

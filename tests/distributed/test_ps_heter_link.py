@@ -20,7 +20,7 @@ from helpers import free_ports  # noqa: E402
 from ps_attack import SECRET, frame, read_until_closed  # noqa: E402
 
 from fleetx.ps import AuthError, PSConfig  # noqa: E402
-from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, Kind  # noqa: E402
+from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, Kind, StateError  # noqa: E402
 from fleetx.ps.handshake import connect  # noqa: E402
 from fleetx.ps.transport import Link, Message  # noqa: E402
 from fleetx.ps_torch.heter_worker import heter_device  # noqa: E402
@@ -37,14 +37,14 @@ def cluster(workers: int, mode: str = "sync") -> PSConfig:
 
 
 def run_job(config: PSConfig, steps: int, guard: str = "cpu", before_trainers=None,
-            save=None) -> dict:
+            save=None, after=None) -> dict:
     roles = hc.Roles()
     roles.start("server", lambda: hc.serve(config, "server", LR))
     roles.start("heter", lambda: hc.serve(config, "heter", LR, guard))
     if before_trainers:
         before_trainers(config)
     for r in range(config.num_workers):
-        roles.start(f"trainer {r}", lambda r=r: hc.train(config, r, steps, LR, save))
+        roles.start(f"trainer {r}", lambda r=r: hc.train(config, r, steps, LR, save, after))
     roles.join()
     assert not roles.errors, "\n".join(f"{k}:\n{v}" for k, v in roles.errors.items())
     return {r: roles.results[f"trainer {r}"] for r in range(config.num_workers)}
@@ -133,6 +133,26 @@ def test_a_heter_jobs_save_loads_into_a_job_without_heter_workers(tmp_path):
         got = roles.results[f"worker {r}"]
         for key, value in got.items():
             np.testing.assert_array_equal(value, trained[0][key], err_msg=key)
+
+
+def test_after_turning_to_inference_saves_of_every_kind_and_exports_work(tmp_path):
+    def after(rt):
+        if rt.index != 0:
+            return None
+        rt.save_persistables(str(tmp_path / "base"), mode=1)
+        rt.save_persistables(str(tmp_path / "delta"), mode=2)
+        rt.save_inference_model(str(tmp_path / "export"))
+        with pytest.raises(StateError, match=r"shrink\(\) after DistributedInfer"):
+            rt.shrink()
+        return rt.table_stats()["tables"]["emb"]["rows"]
+
+    config = dataclasses.replace(cluster(workers=2, mode="async"), save_root=str(tmp_path))
+    results = run_job(config, steps=4, save=str(tmp_path / "ckpt"), after=after)
+    assert results[0]["after"] == hc.VOCAB  # the report of the servers' rows, read in inference
+    for folder in ("ckpt", "base", "delta", "export"):
+        assert (tmp_path / folder / "manifest.json").is_file(), folder
+    assert torch.load(next((tmp_path / "export").glob("save-*/model.pt")))["pre.weight"].shape \
+        == (hc.DIM, hc.NDENSE)
 
 
 def test_async_heter_job_trains():
