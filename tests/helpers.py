@@ -1,4 +1,4 @@
-"""What several test folders share (no tests here): loopback ports.
+"""What several test folders share (no tests here): loopback ports, an example's modules.
 
 Import it as the tests import their neighbours, by putting this folder on ``sys.path``::
 
@@ -7,7 +7,11 @@ Import it as the tests import their neighbours, by putting this folder on ``sys.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
+import sys
+from pathlib import Path
+from typing import Iterator
 
 
 def free_ports(n: int) -> list[int]:
@@ -26,3 +30,20 @@ def free_ports(n: int) -> list[int]:
 def free_port() -> int:
     """One loopback port that was free a moment ago."""
     return free_ports(1)[0]
+
+
+@contextlib.contextmanager
+def example_modules(folder: Path) -> Iterator[None]:
+    """Import an example's modules by their plain names (``import data``, ``import model``)
+    inside the block, whatever another example of the same module names left in
+    ``sys.modules``; the previous modules and ``sys.path`` come back afterwards."""
+    names = {p.stem for p in Path(folder).glob("*.py")}
+    saved = {n: sys.modules.pop(n) for n in list(sys.modules) if n in names}
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(folder))
+        for n in names:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)

