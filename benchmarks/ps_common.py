@@ -23,7 +23,7 @@ import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -137,8 +137,10 @@ class EpochLog:
 
 def train_epochs(model: nn.Module, step: Callable[[torch.Tensor], None], data: CTRData,
                  epochs: int, batch: int,
-                 progress: Optional[Callable[[str], None]] = None) -> EpochLog:
-    """Run ``epochs`` passes over ``data``; ``step(loss)`` updates the model.
+                 progress: Optional[Callable[[str], None]] = None,
+                 loader: Callable[[Iterable], Iterable] = lambda batches: batches) -> EpochLog:
+    """Run ``epochs`` passes over ``data``; ``step(loss)`` updates the model; ``loader`` wraps
+    each epoch's batches (``fleet.prefetch``).
 
     Predictions are scored before their batch's update (progressive validation), so each
     epoch's AUC is an honest estimate even without a held-out set.
@@ -149,7 +151,7 @@ def train_epochs(model: nn.Module, step: Callable[[torch.Tensor], None], data: C
     for epoch in range(epochs):
         auc = AUC()
         losses, t0 = [], time.perf_counter()
-        for ids, dense, label in data.batches(batch):
+        for ids, dense, label in loader(data.batches(batch)):
             logits = model(ids, dense)
             loss = loss_fn(logits, label)
             step(loss)

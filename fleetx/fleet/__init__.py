@@ -88,6 +88,7 @@ init_server = _fleet.init_server
 run_server = _fleet.run_server
 stop_worker = _fleet.stop_worker
 save_persistables = _fleet.save_persistables
+prefetch = _fleet.prefetch
 _final_strategy = _fleet._final_strategy
 _get_applied_meta_list = _fleet._get_applied_meta_list
 _get_applied_graph_list = _fleet._get_applied_graph_list
@@ -128,6 +129,6 @@ __all__ = [
     "rank_in_node", "distributed_model", "distributed_optimizer", "explain", "state_bytes",
     "applied_strategies",
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
-    "init_worker", "init_server", "run_server", "stop_worker", "save_persistables",
+    "init_worker", "init_server", "run_server", "stop_worker", "save_persistables", "prefetch",
     "save_checkpoint", "load_checkpoint",
 ]

@@ -11,6 +11,8 @@ drives it with plain numpy arrays (views of the model's tensors):
 * ``step(params, grads, sparse_grads)`` after ``backward()``: ``grads[table]`` is the flat
   gradient of a dense table, ``params[table]`` a writable flat view of its weights (fresh
   values are written there), ``sparse_grads[table] = (ids, grads)`` with repeated ids allowed.
+  The communicator may keep the gradient arrays (async queues them uncopied): pass fresh ones
+  every step and do not change them afterwards.
 * ``set_lr``, ``barrier``, ``save``, ``flush``, ``stop``.
 
 Modes: :class:`SyncCommunicator` here; ``AsyncCommunicator`` and ``GeoCommunicator`` in their
@@ -133,6 +135,13 @@ class SyncCommunicator(Communicator):
     mode = PSMode.SYNC
 
     def step(self, params, grads, sparse_grads):
-        flat, _ = self.client.push(sparse_grads, grads, pull_dense=list(grads)).wait()
+        flat, _ = self.client.push(sparse_grads, grads, pull_dense=list(grads),
+                                   out=params).wait()  # the reply lands in params when it can
         for name, values in flat.items():
-            params[name][...] = values
+            if not _same_memory(values, params[name]):
+                params[name][...] = values.reshape(np.shape(params[name]))
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """True when ``a`` starts where ``b`` does (a reply received into ``b`` in place)."""
+    return a.__array_interface__["data"][0] == np.asarray(b).__array_interface__["data"][0]

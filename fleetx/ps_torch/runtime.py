@@ -30,7 +30,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -40,6 +40,7 @@ from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint, kernels
 from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
+from fleetx.ps_torch.prefetch import PrefetchLoader, table_ids
 from fleetx.ps_torch.progress import CountedModel, Progress
 from fleetx.ps.rules import make_rule
 from fleetx.ps.server import run_server
@@ -100,7 +101,8 @@ class _RemoteSession:
                  comm: CommunicatorConfig) -> None:
         self.layout, self.mode, self.stopped = layout, config.mode, False
         self.comm = make_communicator(config, rank, layout.tables, comm)
-        self.backend = RemoteSparseBackend(self.comm)
+        self.backend = RemoteSparseBackend(self.comm, exact=config.mode == PSMode.SYNC)
+        layout.flatten_dense()  # the communicator then reads and writes the model in place
         initial = layout.initial_sparse() if rank == 0 else None
         self._params = self.comm.start(layout.dense_values(), initial)
         layout.load_dense(self._params)
@@ -109,12 +111,15 @@ class _RemoteSession:
         geo = self.mode == PSMode.GEO
         if geo:  # GEO trains locally; the communicator sends the parameter change every k steps
             optimizer.step()
-        params = self.layout.dense_values()
+        params = self.layout.dense_values()  # the model's own memory: written in place
         self.comm.step(params, {} if geo else self.layout.dense_grads(),
                        self.layout.sparse_grads())
-        self.layout.load_dense(params)
+        self.layout.load_dense(params)  # a no-op unless the parameters could not be flattened
         self._params = params
         self.backend.clear()
+
+    def prefetch(self, ids: dict, after_step: bool) -> None:
+        self.backend.prefetch(ids, after_step=after_step)
 
     def set_lr(self, lr: float, tables: list) -> None:
         self.comm.set_lr(lr, tables)
@@ -264,6 +269,34 @@ class PSRuntime:
         if self.index == 0 and not self.is_server:
             self._started("save_persistables").save(dirname)
             _say(f"saved to {os.path.abspath(dirname)}")
+
+    def prefetch(self, batches: Iterable, ids_of: Callable[[Any], Mapping]) -> PrefetchLoader:
+        """``fleet.prefetch``: iterate ``batches``; while batch ``i`` trains, the rows of batch
+        ``i + 1`` are on their way (:mod:`fleetx.ps_torch.prefetch` says when they are read
+        in each mode). Nothing to do in a job without servers.
+
+        Args:
+            batches: any iterable of batches (a ``DataLoader``, a generator...).
+            ids_of: ``batch -> {embedding module or table name: ids}``: the ids each sparse
+                table's lookup will get in the forward of that batch (a tensor or array; a list
+                of them, in lookup order, for a table looked up several times).
+
+        Raises:
+            StateError: on a server, or before ``init_worker`` in a job with servers (at the
+                first batch).
+            PSConfigError: ``ids_of`` named a table the model does not have (the message lists
+                the tables).
+        """
+        return PrefetchLoader(batches, ids_of, self._prefetch_rows)
+
+    def _prefetch_rows(self, ids: Mapping, after_step: bool) -> None:
+        if self.is_server:
+            raise StateError("fleet.prefetch runs on workers; this process is a server")
+        if self._session is None and self.config is None:
+            return  # a job without servers has its rows at hand
+        session = self._started("fleet.prefetch")
+        if hasattr(session, "prefetch"):
+            session.prefetch(table_ids(self._layout("prefetch"), ids), after_step)
 
     def barrier(self, name: str = "") -> None:
         """Wait for every worker that has not stopped (through server 0)."""
