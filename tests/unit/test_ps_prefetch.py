@@ -128,3 +128,83 @@ def test_ids_of_may_name_a_table_by_module_or_name_with_several_lookups_concaten
         table_ids(layout, {nn.Linear(1, 1): [1]})
     with pytest.raises(PSConfigError, match="must return a dict"):
         table_ids(layout, [1, 2])
+
+
+# -- through the backend, the layout and the fleet ------------------------------------------------
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from ps_fleet_model import batch, loss_of, make_model, reference  # noqa: E402
+from test_ps_strategy import CountingComm, ps_fleet  # noqa: E402
+
+from fleetx.fleet import Fleet  # noqa: E402
+from fleetx.ps.api import StateError  # noqa: E402
+from fleetx.ps_torch.layout import RemoteSparseBackend  # noqa: E402
+
+
+def test_a_forward_uses_the_prefetched_rows_and_pulls_only_what_was_not_prefetched():
+    model = make_model()
+    layout = ModelLayout.of(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    comm = CountingComm(layout.tables)
+    backend = RemoteSparseBackend(comm)
+    layout.bind(backend)
+    ids, tags, x, y = batch(0)
+    backend.prefetch(table_ids(layout, {model.emb: ids, "tags": tags}))
+    assert len(comm.pulls) == 1
+    expected = loss_of(model, ids, tags, x, y)   # served by the prefetch: no second pull
+    assert len(comm.pulls) == 1 and backend.prefetched.hits == 1
+    backend.clear()
+    backend.prefetch(table_ids(layout, {"emb": ids}))          # tags not prefetched
+    assert torch.equal(loss_of(model, ids, tags, x, y), expected)
+    assert [sorted(p) for p in comm.pulls] == [["emb", "tags"], ["emb"], ["tags"]]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_without_servers_prefetch_yields_the_batches_and_training_is_unchanged():
+    f, model, opt = ps_fleet(servers=None)
+    batches = [batch(step) for step in range(5)]
+    seen = 0
+    for b in f.prefetch(batches, lambda b: {"emb": b[0], "tags": b[1]}):
+        opt.minimize(loss_of(model, *b))
+        seen += 1
+    assert seen == 5
+    f.stop_worker()
+    expected = reference(5)
+    for key, value in model.module.mlp.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), expected[f"mlp.{key}"], rtol=1e-5, atol=1e-6)
+
+
+def test_prefetch_before_init_worker_says_so_and_a_collective_job_gets_its_batches_back():
+    f, model, opt = ps_fleet()
+    with pytest.raises(StateError, match=r"fleet.prefetch: call fleet.init_worker\(\) first"):
+        next(iter(f.prefetch([batch(0)], lambda b: {"emb": b[0]})))
+    g = Fleet()
+    g.init(is_collective=True)
+    g.distributed_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    data = [1, 2, 3]
+    with pytest.warns(UserWarning, match=r"prefetch\(\) function doesn't work"):
+        assert g.prefetch(data, lambda b: {}) is data
+
+
+def test_flat_dense_values_are_the_model_and_new_storage_is_noticed():
+    model = make_model()
+    layout = ModelLayout.of(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in model.mlp.state_dict().items()}
+    layout.flatten_dense()
+    for k, v in model.mlp.state_dict().items():
+        assert torch.equal(v, before[k])             # same values, now views of one array
+    (name, flat), = layout.dense_values().items()
+    flat[:] = 0.5                                     # writing the array writes the model
+    assert all(bool((p == 0.5).all()) for p in model.mlp.parameters())
+    assert layout.dense_values()[name] is not flat and np.shares_memory(
+        layout.dense_values()[name], flat)
+    layout.load_dense({name: flat})                   # its own memory: nothing to copy
+    first = model.mlp[0].weight
+    first.data = torch.full_like(first, 2.0)          # new storage for one parameter
+    again = layout.dense_values()[name]
+    assert not np.shares_memory(again, flat) and again[:first.numel()].tolist() == \
+        [2.0] * first.numel()
+    layout.load_dense({name: np.arange(len(again), dtype=np.float32)})
+    assert first.view(-1)[:3].tolist() == [0.0, 1.0, 2.0]
+    assert np.shares_memory(layout.dense_values()[name], first.detach().numpy())
