@@ -92,17 +92,33 @@ def embedding_of(model: nn.Module, vocabulary: int) -> np.ndarray:
     return vectors
 
 
-def report(vectors: np.ndarray, corpus: data.Corpus, target: float) -> None:
+def report(vectors: np.ndarray, corpus: data.Corpus) -> tuple[int, int]:
+    """Print every probe's neighbours and the summary; returns ``(trained, random)`` hits."""
     trained, random, per_probe = neighbours.check(vectors, corpus.words)
     for probe, (near, hit) in per_probe.items():
         print(f"  {probe:12s} {hit} hit(s): {', '.join(near)}")
-    ratio = trained / max(random, 1)
     print(f"nearest neighbours: {trained} hits over {len(per_probe)} probe words; a random "
-          f"embedding (seed {neighbours.RANDOM_SEED}) {random}; ratio {ratio:.1f} "
-          f"(trained / max(random, 1))", flush=True)
-    if target and trained < target * max(random, 1):
-        sys.exit(f"the trained embedding's {trained} hits are fewer than {target} x "
-                 f"max({random}, 1)")
+          f"embedding (seed {neighbours.RANDOM_SEED}) {random}; ratio "
+          f"{trained / max(random, 1):.1f} (trained / max(random, 1))", flush=True)
+    return trained, random
+
+
+def train(model, opt, corpus: data.Corpus, args, rank: int, workers: int) -> None:
+    """``args.epochs`` passes over this worker's share of the reviews."""
+    mine, negatives = corpus.shard(rank, workers), data.Negatives(corpus.counts)
+    for epoch in range(args.epochs):
+        t0, losses, pairs = time.perf_counter(), [], 0
+        # the next batch's rows are fetched while this one trains (both tables)
+        for center, others in fleet.prefetch(
+                batches(mine, negatives, args, epoch, rank),
+                lambda b: {model.module.center: b[0], model.module.context: b[1]}):
+            loss = model(center, others).sum()
+            opt.minimize(loss)
+            losses.append(loss.item() / len(center))
+            pairs += len(center)
+        if rank == 0:
+            print(f"epoch {epoch + 1}/{args.epochs}: loss {np.mean(losses):.4f}, "
+                  f"{pairs / (time.perf_counter() - t0):.0f} pairs/s on worker 0", flush=True)
 
 
 def main() -> None:
@@ -123,31 +139,20 @@ def main() -> None:
         return
     fleet.init_worker()
     rank, workers = fleet.worker_index(), max(fleet.worker_num(), 1)
-    mine = corpus.shard(rank, workers)
-    negatives = data.Negatives(corpus.counts)
     if rank == 0:
         print(f"{len(corpus)} words, {len(corpus.ids)} tokens; {workers} worker(s), GEO "
               f"k_steps {args.k_steps}" + (f", {fleet.server_num()} server(s)"
                                            if fleet.server_num() else ", no servers"), flush=True)
     began = time.perf_counter()
-    for epoch in range(args.epochs):
-        t0, losses, pairs = time.perf_counter(), [], 0
-        # the next batch's rows are fetched while this one trains (both tables)
-        for center, others in fleet.prefetch(
-                batches(mine, negatives, args, epoch, rank),
-                lambda b: {model.module.center: b[0], model.module.context: b[1]}):
-            loss = model(center, others).sum()
-            opt.minimize(loss)
-            losses.append(loss.item() / len(center))
-            pairs += len(center)
-        if rank == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: loss {np.mean(losses):.4f}, "
-                  f"{pairs / (time.perf_counter() - t0):.0f} pairs/s on worker 0", flush=True)
+    train(model, opt, corpus, args, rank, workers)
+    trained = random = 0
     if rank == 0:
         print(f"trained in {time.perf_counter() - began:.1f} s", flush=True)
-        report(embedding_of(model, len(corpus)), corpus, args.target)
+        trained, random = report(embedding_of(model, len(corpus)), corpus)
     fleet.stop_worker()
-
+    if args.target and rank == 0 and trained < args.target * max(random, 1):
+        sys.exit(f"the trained embedding's {trained} hits are fewer than {args.target} x "
+                 f"max({random}, 1)")
 
 if __name__ == "__main__":
     main()
