@@ -6,7 +6,9 @@ bounds staleness) and returns. A sender thread takes up to
 ``max_merge_var_num`` queued steps, waiting ``send_wait_times`` polls of 1 ms for more to
 arrive, sums them, and pushes the sum as ONE request per server; at most
 ``thread_pool_size`` such pushes are in flight. Each push reply carries the servers' current
-dense weights; the next ``step`` writes the newest ones into the model.
+dense weights, received into a new array; the next ``step`` hands the newest ones over in
+``params`` (replacing the entries: the runtime adopts the arrays as the model's storage, no
+copy).
 
 Merging sums rather than averages: with SGD, applying the sum of k gradients is what applying
 them one after another would do, which is what async training means.
@@ -74,8 +76,7 @@ class AsyncCommunicator(Communicator):
                 self._check()
         with self._lock:
             latest, self._latest = self._latest, None
-        for name, values in (latest or {}).items():
-            params[name][...] = values
+        params.update(latest or {})  # newer arrays than the model's, given up: the caller adopts
 
     def flush(self):
         if not hasattr(self, "_thread"):  # never started

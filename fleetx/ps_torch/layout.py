@@ -72,7 +72,11 @@ def _release(optimizer: torch.optim.Optimizer, converted: dict) -> None:
 def _flatten(params: list) -> tuple[torch.Tensor, list[int]]:
     """One flat tensor holding ``params``' values, which become views of it; with the
     parameters' data pointers (to notice when one is given other storage)."""
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    return _views(torch.cat([p.detach().reshape(-1) for p in params]), params)
+
+
+def _views(flat: torch.Tensor, params: list) -> tuple[torch.Tensor, list[int]]:
+    """Make ``params`` views of consecutive slices of ``flat`` (their values are flat's)."""
     offset = 0
     for p in params:
         p.data = flat[offset:offset + p.numel()].view_as(p)
@@ -174,21 +178,30 @@ class ModelLayout:
                 for n, ps in self.dense}
 
     @torch.no_grad()
-    def load_dense(self, values: Mapping[str, np.ndarray]) -> None:
+    def load_dense(self, values: Mapping[str, np.ndarray], adopt: bool = False) -> None:
         """Copy flat dense weights into the model's parameters (nothing to do for the arrays
-        :meth:`dense_values` returned after :meth:`flatten_dense`: they are the model's)."""
+        :meth:`dense_values` returned after :meth:`flatten_dense`: they are the model's).
+
+        ``adopt=True``: the caller gives the arrays up; a flattened table whose new values
+        come as a contiguous float32 array of its size takes that array as its storage (the
+        parameters become views of it) instead of copying it.
+        """
         for n, ps in self.dense:
             source = np.asarray(values[n], np.float32)
             flat = self._flat_of(n, ps)
-            if flat is not None:
-                if source.__array_interface__["data"][0] != flat.data_ptr():
-                    flat.copy_(torch.from_numpy(source.reshape(-1)))
-                continue
-            flat_in = torch.from_numpy(source)
-            offset = 0
-            for p in ps:
-                p.copy_(flat_in[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            if flat is None:
+                flat_in = torch.from_numpy(source)
+                offset = 0
+                for p in ps:
+                    p.copy_(flat_in[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            elif source.__array_interface__["data"][0] == flat.data_ptr():
+                continue  # the model's own memory
+            elif adopt and source.size == flat.numel() and source.flags.c_contiguous \
+                    and source.flags.writeable:
+                self._flat[n] = _views(torch.from_numpy(source.reshape(-1)), ps)
+            else:
+                flat.copy_(torch.from_numpy(source.reshape(-1)))
 
     def initial_sparse(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """``(ids, rows)`` of tables that start from a module's weights (``nn.Embedding``)."""

@@ -114,7 +114,8 @@ class _RemoteSession:
         params = self.layout.dense_values()  # the model's own memory: written in place
         self.comm.step(params, {} if geo else self.layout.dense_grads(),
                        self.layout.sparse_grads())
-        self.layout.load_dense(params)  # a no-op unless the parameters could not be flattened
+        # nothing to copy: the flat arrays are the model's, or (async) new arrays it adopts
+        self.layout.load_dense(params, adopt=True)
         self._params = params
         self.backend.clear()
 

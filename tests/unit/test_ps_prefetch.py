@@ -208,3 +208,9 @@ def test_flat_dense_values_are_the_model_and_new_storage_is_noticed():
     layout.load_dense({name: np.arange(len(again), dtype=np.float32)})
     assert first.view(-1)[:3].tolist() == [0.0, 1.0, 2.0]
     assert np.shares_memory(layout.dense_values()[name], first.detach().numpy())
+    given = np.full(len(again), 3.0, np.float32)      # an array given up (async's reply)
+    layout.load_dense({name: given}, adopt=True)      # becomes the model's storage: no copy
+    assert np.shares_memory(first.detach().numpy(), given) and float(first[0, 0]) == 3.0
+    strided = np.full(2 * len(again), 4.0, np.float32)[::2]
+    layout.load_dense({name: strided}, adopt=True)    # not contiguous: copied into the model
+    assert not np.shares_memory(first.detach().numpy(), strided) and float(first[0, 0]) == 4.0
