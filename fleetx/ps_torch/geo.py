@@ -206,17 +206,16 @@ class GeoCommunicator(Communicator):
 
     def _train_rows(self, name: str, ids: np.ndarray, grads: np.ndarray) -> None:
         table = self._local[name]
-        if any(ids is k for k in self._known[name]):  # a lookup's own unique ids: all held
-            uniq, summed = ids, grads
-            rows = table.index.find(uniq)
+        if any(ids is k for k in self._known[name]):  # a lookup's own unique ids: no sorting
+            uniq, summed = ids, np.asarray(grads, np.float32).reshape(len(ids), table.dim)
         else:
             uniq, inv = kernels.unique_inverse(ids)
-            rows = table.index.find(uniq)
-            if (rows < 0).any():  # rows never looked up: fetch their base first
-                self.pull_sparse({name: uniq}).wait()
-                rows = table.index.find(uniq)
             summed = kernels.segment_sum(inv, np.asarray(grads, np.float32).reshape(
                 len(inv), table.dim), len(uniq))
+        rows = table.index.find(uniq)
+        if (rows < 0).any():  # rows never looked up: fetch their base first
+            self.pull_sparse({name: uniq}).wait()
+            rows = table.index.find(uniq)
         table.push(uniq, summed)
         touched = self._touched[name]
         if len(touched) < len(table):
@@ -289,8 +288,8 @@ class GeoCommunicator(Communicator):
         for n, (ids, server) in geo.items():
             self._land_rows(self._local[n], ids, server, job.snapshot.get(n))
         for n, values in flat.items():
-            target = params[n].reshape(-1)
-            target += values - job.dense_snapshot[n]
+            target = params[n]  # in place, whatever its shape: it is the model's (or its copy)
+            target += (values - job.dense_snapshot[n]).reshape(np.shape(target))
             self._base[n] = values.copy()
 
     def _land_rows(self, table: SparseTable, ids, server, snapshot) -> None:
