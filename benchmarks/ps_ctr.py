@@ -451,7 +451,7 @@ def _server_split(stacks: list) -> tuple:
     threads: dict = {}
     leaves: dict = {}
     for _, thread, names, n in stacks:
-        if not thread.startswith("ps-") or thread == "ps-heartbeat":
+        if not thread.startswith("ps-") or thread == "ps-heartbeat" or not names:
             continue
         kind = thread.split(" ", 1)[0]
         busy = not any(names[-1].startswith(i) for i in IDLE)
