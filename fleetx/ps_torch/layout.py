@@ -177,7 +177,6 @@ class ModelLayout:
                               .detach().reshape(-1).cpu() for p in ps]).numpy()
                 for n, ps in self.dense}
 
-    @torch.no_grad()
     def load_dense(self, values: Mapping[str, np.ndarray], adopt: bool = False) -> None:
         """Copy flat dense weights into the model's parameters (nothing to do for the arrays
         :meth:`dense_values` returned after :meth:`flatten_dense`: they are the model's).
@@ -189,19 +188,20 @@ class ModelLayout:
         for n, ps in self.dense:
             source = np.asarray(values[n], np.float32)
             flat = self._flat_of(n, ps)
-            if flat is None:
-                flat_in = torch.from_numpy(source)
-                offset = 0
+            if flat is not None and source.__array_interface__["data"][0] == flat.data_ptr():
+                continue  # the model's own memory (every step after flatten_dense)
+            if flat is not None and adopt and source.size == flat.numel() \
+                    and source.flags.c_contiguous and source.flags.writeable:
+                self._flat[n] = _views(torch.from_numpy(source.reshape(-1)), ps)
+                continue
+            with torch.no_grad():
+                if flat is not None:
+                    flat.copy_(torch.from_numpy(source.reshape(-1)))
+                    continue
+                flat_in, offset = torch.from_numpy(source), 0
                 for p in ps:
                     p.copy_(flat_in[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
-            elif source.__array_interface__["data"][0] == flat.data_ptr():
-                continue  # the model's own memory
-            elif adopt and source.size == flat.numel() and source.flags.c_contiguous \
-                    and source.flags.writeable:
-                self._flat[n] = _views(torch.from_numpy(source.reshape(-1)), ps)
-            else:
-                flat.copy_(torch.from_numpy(source.reshape(-1)))
 
     def initial_sparse(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """``(ids, rows)`` of tables that start from a module's weights (``nn.Embedding``)."""
