@@ -23,7 +23,7 @@ import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 import torch
@@ -138,9 +138,11 @@ class EpochLog:
 def train_epochs(model: nn.Module, step: Callable[[torch.Tensor], None], data: CTRData,
                  epochs: int, batch: int,
                  progress: Optional[Callable[[str], None]] = None,
-                 on_epoch: Optional[Callable[[int], None]] = None) -> EpochLog:
+                 on_epoch: Optional[Callable[[int], None]] = None,
+                 loader: Callable[[Iterable], Iterable] = lambda batches: batches) -> EpochLog:
     """Run ``epochs`` passes over ``data``; ``step(loss)`` updates the model;
-    ``on_epoch(epoch)`` runs after each epoch, outside its timed span (counters read there).
+    ``on_epoch(epoch)`` runs after each epoch, outside its timed span (counters read there);
+    ``loader`` wraps each epoch's batches (``fleet.prefetch``).
 
     Predictions are scored before their batch's update (progressive validation), so each
     epoch's AUC is an honest estimate even without a held-out set.
@@ -151,7 +153,7 @@ def train_epochs(model: nn.Module, step: Callable[[torch.Tensor], None], data: C
     for epoch in range(epochs):
         auc = AUC()
         losses, t0 = [], time.perf_counter()
-        for ids, dense, label in data.batches(batch):
+        for ids, dense, label in loader(data.batches(batch)):
             logits = model(ids, dense)
             loss = loss_fn(logits, label)
             step(loss)

@@ -18,7 +18,10 @@ The workload, its timing rule and the aggregation are in ``benchmarks/ps_common.
             dropped; prints every run and a table of medians and ratios fleetx / Paddle, then
             the async ratios with the same sparse rule on both sides (``async_adam_*``: Paddle's
             async applies Adam to its table, see ``PADDLE_SPARSE_RULE``) beside those with
-            fleetx's table on SGD (``async_1x2``, ``async_2x2``).
+            fleetx's table on SGD (``async_1x2``, ``async_2x2``);
+``speedup`` fleetx against plain PyTorch in one run (``ps_speedup.py``): per round one
+            ``local`` job, then ``async_1x2`` and ``geo_1x2``, each through the harness when it
+            is there; prints per round fleetx samples/s / (2 x plain samples/s) and the AUCs.
 
 The anchors (harness, Paddle's job) live outside the repository: ``benchmarks/README.md``.
 
@@ -29,6 +32,7 @@ Usage:
     python benchmarks/ps_ctr.py local
     PADDLE_PS_PY=/tmp/paddle26-venv/bin/python python benchmarks/ps_ctr.py compare --rounds 3
     python benchmarks/ps_ctr.py compare --cases async_adam_1x2,async_1x2 --rounds 3
+    python benchmarks/ps_ctr.py speedup --rounds 5
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ import torch  # noqa: E402
 import anchors  # noqa: E402
 import ps_common as pc  # noqa: E402
 import ps_counters  # noqa: E402
+import ps_speedup  # noqa: E402
 from fleetx.ps.api import TRANSPORTS  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -137,7 +142,11 @@ def cmd_train(args: argparse.Namespace) -> None:
     say = (lambda s: print(f"worker {rank}: {s}", flush=True)) if not args.quiet else None
     probe = ps_counters.WorkerProbe(fleet.server_endpoints())
     probe.read()
-    log = pc.train_epochs(model, opt.minimize, data, args.epochs, args.batch, say, probe.read)
+    table = model.module.embedding  # the rows of the next batch travel while one trains
+    loader = (lambda batches: fleet.prefetch(batches, lambda b: {table: b[0]})) \
+        if args.prefetch else (lambda batches: batches)
+    log = pc.train_epochs(model, opt.minimize, data, args.epochs, args.batch, say, probe.read,
+                          loader)
     global_aucs = [metrics.auc(p, n) for p, n in log.stats]      # collectives: every worker
     fleet.stop_worker()
     cum_pos = sum(p for p, _ in log.stats)
@@ -181,7 +190,8 @@ def run_job(args: argparse.Namespace, transport: str) -> dict:
     train = [str(HERE / "ps_ctr.py"), "train", "--mode", args.mode, "--k-steps",
              str(args.k_steps), "--data", os.path.abspath(args.data), "--epochs",
              str(args.epochs), "--batch", str(args.batch), "--table", args.table,
-             "--sparse-rule", args.sparse_rule, "--result", result, "--quiet"]
+             "--sparse-rule", args.sparse_rule, "--result", result, "--quiet"] + \
+        ([] if args.prefetch else ["--no-prefetch"])
     cmd = [sys.executable, "-m", "fleetx.launch", "--server_num", str(args.servers),
            "--worker_num", str(args.workers), "--log_dir", log_dir] + train
     os.makedirs(log_dir)
@@ -288,14 +298,21 @@ def _harnessed(cmd: list, max_wait: float) -> tuple:
             json.loads(harness[-1]) if harness else {})
 
 
-def _commands(case: str, args: argparse.Namespace) -> list:
-    """``[(side, command)]`` of one case: fleetx's (or plain torch's) run, then Paddle's."""
-    mode, servers, rule, paddle_mode = CASES[case]
+def _ours(case: str, args: argparse.Namespace) -> list:
+    """``[(side, command)]``: fleetx's (or plain torch's) run of one case."""
+    mode, servers, rule, _ = CASES[case]
     common = ["--data", args.data, "--epochs", args.epochs]
     if mode == "local":
         return [("torch", [sys.executable, HERE / "ps_ctr.py", "local", *common])]
-    out = [("fleetx", [sys.executable, HERE / "ps_ctr.py", "run", "--mode", mode, "--servers",
-                       servers, "--workers", 2, "--sparse-rule", rule, *common])]
+    return [("fleetx", [sys.executable, HERE / "ps_ctr.py", "run", "--mode", mode, "--servers",
+                        servers, "--workers", 2, "--sparse-rule", rule, *common])]
+
+
+def _commands(case: str, args: argparse.Namespace) -> list:
+    """``[(side, command)]`` of one case: fleetx's (or plain torch's) run, then Paddle's."""
+    mode, servers, _, paddle_mode = CASES[case]
+    common = ["--data", args.data, "--epochs", args.epochs]
+    out = _ours(case, args)
     if paddle_mode is not None:
         out.append(("paddle", [args.paddle_py, anchors.require(*anchors.PADDLE_PS), "--mode",
                                paddle_mode, "--servers", servers, "--workers", 2, *common]))
@@ -350,6 +367,17 @@ def _summary(runs: list, cases: list) -> None:
             print(f"async, fleetx / Paddle, {title}: {'; '.join(cells)}")
 
 
+def _ensure_data(args: argparse.Namespace) -> None:
+    """Generate ``--lines`` lines into ``--data`` when it holds no part-* file."""
+    if not any(Path(args.data).glob("part-*")):
+        subprocess.run([sys.executable, ROOT / "examples/wide_and_deep/gen_criteo.py", "--lines",
+                        str(args.lines), "--files", "10", "--out", args.data], check=True)
+
+
+def cmd_speedup(args: argparse.Namespace) -> None:
+    ps_speedup.cmd_speedup(args, _ours, str(ROOT), _ensure_data)
+
+
 def cmd_compare(args: argparse.Namespace) -> None:
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]
@@ -362,9 +390,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
             raise SystemExit(f"Paddle's python {args.paddle_py} not found: set PADDLE_PS_PY or "
                              "--paddle-py, or build the venv as benchmarks/README.md says "
                              "(section 'Paddle 2.6.2 for the parameter-server comparison')")
-    if not any(Path(args.data).glob("part-*")):
-        subprocess.run([sys.executable, ROOT / "examples/wide_and_deep/gen_criteo.py", "--lines",
-                        str(args.lines), "--files", "10", "--out", args.data], check=True)
+    _ensure_data(args)
     runs = []
     for rnd in range(1, args.rounds + 1):
         for case in cases:
@@ -438,7 +464,7 @@ def _server_split(stacks: list) -> tuple:
     threads: dict = {}
     leaves: dict = {}
     for _, thread, names, n in stacks:
-        if not thread.startswith("ps-") or thread == "ps-heartbeat":
+        if not thread.startswith("ps-") or thread == "ps-heartbeat" or not names:
             continue
         kind = thread.split(" ", 1)[0]
         busy = not any(names[-1].startswith(i) for i in IDLE)
@@ -505,6 +531,8 @@ def main() -> None:
                             "nn.Embedding(1000001, 16, sparse=True)")
         p.add_argument("--sparse-rule", choices=("sgd", "adam"), default="sgd",
                        help="the table's server rule (adam: as Paddle's async applies)")
+        p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
+                       help="iterate the batches directly, not through fleet.prefetch")
         if name == "train":
             p.add_argument("--result", required=True, help="JSON lines file, one per worker")
             p.add_argument("--quiet", action="store_true")
@@ -521,12 +549,13 @@ def main() -> None:
             p.add_argument("--rounds", type=int, default=5)
             p.add_argument("--out", help="also append every run as a JSON line to this file")
     add_compare_parser(sub)
+    ps_speedup.add_parser(sub, DEFAULT_DATA)
     p = sub.add_parser("profile", help="summarise a py-spy raw recording of a train job")
     p.add_argument("raw", help="py-spy record --subprocesses --threads --idle -f raw output")
     p.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
     {"train": cmd_train, "run": cmd_run, "transports": cmd_transports, "local": cmd_local,
-     "compare": cmd_compare, "profile": cmd_profile}[args.command](args)
+     "compare": cmd_compare, "speedup": cmd_speedup, "profile": cmd_profile}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,7 @@ save_inference_model = _fleet.save_inference_model
 shrink = _fleet.shrink
 table_stats = _fleet.table_stats
 print_table_stat = _fleet.print_table_stat
+prefetch = _fleet.prefetch
 _final_strategy = _fleet._final_strategy
 _get_applied_meta_list = _fleet._get_applied_meta_list
 _get_applied_graph_list = _fleet._get_applied_graph_list
@@ -140,7 +141,7 @@ __all__ = [
     "rank_in_node", "distributed_model", "distributed_optimizer", "explain", "state_bytes",
     "applied_strategies",
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
-    "init_worker", "init_server", "run_server", "stop_worker", "save_persistables",
+    "init_worker", "init_server", "run_server", "stop_worker", "save_persistables", "prefetch",
     "save_inference_model", "shrink", "table_stats", "print_table_stat", "save_checkpoint",
     "load_checkpoint",
     "MultiSlotDataGenerator", "MultiSlotStringDataGenerator", "DatasetBase", "InMemoryDataset",

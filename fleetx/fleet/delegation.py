@@ -200,6 +200,25 @@ class RuntimeCalls:
             return self._collective_note("stop_worker")
         runtime.stop_worker()
 
+    def prefetch(self, batches: Any, ids_of: Callable[[Any], Any]) -> Any:
+        """Parameter server: iterate ``batches``, pulling the rows of the next batch while the
+        current one trains (a fleetx addition, see ``docs/parameter_server.md``).
+
+        Args:
+            batches: any iterable of batches.
+            ids_of: ``batch -> {embedding module or table name: ids}``, the ids each sparse
+                table is looked up with in that batch's forward.
+
+        Example:
+            >>> for ids, x, y in fleet.prefetch(loader, lambda b: {"emb": b[0]}):  # doctest: +SKIP
+            ...     opt.minimize(loss_fn(model(ids, x), y))
+        """
+        runtime = self._runtime("prefetch")
+        if runtime is None:
+            self._collective_note("prefetch")
+            return batches
+        return runtime.prefetch(batches, ids_of)
+
     def save_persistables(self, dirname: str, *args: Any, **kwargs: Any) -> None:
         """Parameter server: save dense parameters and sparse tables to ``dirname``."""
         runtime = self._runtime("save_persistables")

@@ -243,7 +243,8 @@ class KVClient:
 
     def push(self, sparse: Optional[Mapping[str, tuple]] = None,
              dense: Optional[Mapping[str, np.ndarray]] = None, *, delta: bool = False,
-             pull_dense: Sequence[str] = (), geo_pull: Optional[Sequence[str]] = None) -> Handle:
+             pull_dense: Sequence[str] = (), geo_pull: Optional[Sequence[str]] = None,
+             out: Optional[Mapping[str, np.ndarray]] = None) -> Handle:
         """Send gradients (or GEO deltas with ``delta=True``): ``sparse[table] = (ids, grads)``
         with duplicates allowed (they are summed here), ``dense[table] = flat gradient``. For a
         show/click table each id's row is its gradient followed by show and click.
@@ -252,13 +253,15 @@ class KVClient:
         ``pull_dense``: the reply carries these dense tables' new weights (push and pull in one
         round trip). ``geo_pull``: the reply carries, per listed table, the rows changed since
         this worker's last exchange. The handle's result is ``(dense, geo)``: table -> flat
-        weights, and table -> ``(ids, rows)``.
+        weights, and table -> ``(ids, rows)``. ``out[table]``: a contiguous float32 array of the
+        table's size to receive its weights into (no copy); nothing may read it until the
+        handle is done.
         """
         meta = {"kind": "delta" if delta else "grad", "pull_dense": list(pull_dense)}
         if geo_pull is not None:
             meta["geo_pull"] = list(geo_pull)
         every = self.config.mode == PSMode.SYNC or geo_pull is not None or bool(pull_dense)
-        flat = {n: np.empty(self.tables.get(n).numel, np.float32) for n in pull_dense}
+        flat = {n: _target(out, n, self.tables.get(n).numel) for n in pull_dense}
         # geo replies have a variable number of rows: let the transport allocate those
         direct = None if geo_pull is not None else flat
         per_server = self._push_parts(sparse, dense, meta, every, direct)
@@ -381,3 +384,12 @@ def _saved(replies) -> tuple[dict, list, list]:
             rows[n] = rows.get(n, 0) + k
         files += [FileEntry.from_json(k, v) for k, v in r.meta.get("files", {}).items()]
     return rows, files, [r.meta for r in replies]
+
+
+def _target(out: Optional[Mapping[str, np.ndarray]], name: str, numel: int) -> np.ndarray:
+    """``out[name]`` as a flat view when it can receive a dense table in place, else new."""
+    given = out.get(name) if out else None
+    if given is not None and given.dtype == np.float32 and given.size == numel \
+            and given.flags.c_contiguous and given.flags.writeable:
+        return given.reshape(-1)
+    return np.empty(numel, np.float32)

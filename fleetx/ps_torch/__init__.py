@@ -8,6 +8,8 @@ rules) knows nothing of torch or of a training step. This package is what a work
 * :mod:`.communicator`, :mod:`.async_communicator`, :mod:`.geo` - what a training step sends in
   sync, async and GEO mode; :func:`make_communicator` (:mod:`.worker`) picks one. These are
   numpy-only, so a process that drives only a communicator does not import torch.
+* :mod:`.prefetch` - rows pulled ahead of the lookups that use them (``fleet.prefetch``: the next
+  batch's rows while one trains).
 * :mod:`.progress` - a worker's samples/s and mean-loss lines.
 * :mod:`.runtime` - :class:`PSRuntime`, what ``fleet.init_worker`` / ``init_server`` /
   ``run_server`` / ``stop_worker`` and each optimizer step do.

@@ -1,11 +1,14 @@
 """Async mode: gradients are queued, merged and sent by a background thread.
 
-``step`` copies the step's gradients into a bounded queue (``send_queue_size``; a full queue
-makes ``step`` wait, which bounds staleness) and returns. A sender thread takes up to
+``step`` puts the step's gradient arrays (taken, not copied: the caller must not change them
+afterwards) into a bounded queue (``send_queue_size``; a full queue makes ``step`` wait, which
+bounds staleness) and returns. A sender thread takes up to
 ``max_merge_var_num`` queued steps, waiting ``send_wait_times`` polls of 1 ms for more to
 arrive, sums them, and pushes the sum as ONE request per server; at most
 ``thread_pool_size`` such pushes are in flight. Each push reply carries the servers' current
-dense weights; the next ``step`` writes the newest ones into the model.
+dense weights, received into a new array; the next ``step`` hands the newest ones over in
+``params`` (replacing the entries: the runtime adopts the arrays as the model's storage, no
+copy).
 
 Merging sums rather than averages: with SGD, applying the sum of k gradients is what applying
 them one after another would do, which is what async training means.
@@ -58,9 +61,10 @@ class AsyncCommunicator(Communicator):
 
     def step(self, params, grads, sparse_grads):
         self._check()
-        item = ({n: np.array(g, np.float32).reshape(-1) for n, g in grads.items()},
-                {n: (np.array(i, np.int64).reshape(-1),
-                     np.array(g, np.float32).reshape(np.size(i), -1))
+        # the arrays are taken, not copied: the caller hands over fresh ones every step
+        item = ({n: np.asarray(g, np.float32).reshape(-1) for n, g in grads.items()},
+                {n: (np.asarray(i, np.int64).reshape(-1),
+                     np.asarray(g, np.float32).reshape(np.size(i), -1))
                  for n, (i, g) in sparse_grads.items()})
         with self._lock:
             self._unsent += 1
@@ -72,8 +76,7 @@ class AsyncCommunicator(Communicator):
                 self._check()
         with self._lock:
             latest, self._latest = self._latest, None
-        for name, values in (latest or {}).items():
-            params[name][...] = values
+        params.update(latest or {})  # newer arrays than the model's, given up: the caller adopts
 
     def flush(self):
         if not hasattr(self, "_thread"):  # never started

@@ -10,7 +10,10 @@ drives it with plain numpy arrays (views of the model's tensors):
   server for every table.
 * ``step(params, grads, sparse_grads)`` after ``backward()``: ``grads[table]`` is the flat
   gradient of a dense table, ``params[table]`` a writable flat view of its weights (fresh
-  values are written there), ``sparse_grads[table] = (ids, grads)`` with repeated ids allowed.
+  values are written there, or the entry is replaced by a new array holding them, which the
+  caller then owns), ``sparse_grads[table] = (ids, grads)`` with repeated ids allowed.
+  The communicator may keep the gradient arrays (async queues them uncopied): pass fresh ones
+  every step and do not change them afterwards.
 * ``set_lr``, ``barrier``, ``save``, ``flush``, ``stop``.
 
 Modes: :class:`SyncCommunicator` here; ``AsyncCommunicator`` and ``GeoCommunicator`` in their
@@ -90,7 +93,8 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def step(self, params: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
              sparse_grads: Mapping[str, tuple]) -> None:
-        """Send one training step's gradients; write fresh dense weights into ``params``."""
+        """Send one training step's gradients; write fresh dense weights into ``params`` (or
+        replace its entries with new arrays holding them)."""
 
     def flush(self) -> None:
         """Block until everything queued has reached the servers."""
@@ -140,6 +144,13 @@ class SyncCommunicator(Communicator):
     mode = PSMode.SYNC
 
     def step(self, params, grads, sparse_grads):
-        flat, _ = self.client.push(sparse_grads, grads, pull_dense=list(grads)).wait()
+        flat, _ = self.client.push(sparse_grads, grads, pull_dense=list(grads),
+                                   out=params).wait()  # the reply lands in params when it can
         for name, values in flat.items():
-            params[name][...] = values
+            if not _same_memory(values, params[name]):
+                params[name][...] = values.reshape(np.shape(params[name]))
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    """True when ``a`` starts where ``b`` does (a reply received into ``b`` in place)."""
+    return a.__array_interface__["data"][0] == np.asarray(b).__array_interface__["data"][0]

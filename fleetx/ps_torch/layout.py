@@ -35,6 +35,7 @@ from fleetx.ps.api import DenseTableSpec, RuleConfig, SparseTableSpec, Tables
 from fleetx.ps.client import SparseRows
 from fleetx.ps.rules import make_rule
 from fleetx.ps.table import SparseTable
+from fleetx.ps_torch.prefetch import PrefetchQueue
 
 __all__ = ["ModelLayout", "convert_embeddings", "RemoteSparseBackend", "LocalSparseBackend",
            "HETER_PREFIX"]
@@ -75,6 +76,22 @@ def _release(optimizer: torch.optim.Optimizer, converted: dict) -> None:
         group["params"] = kept
 
 
+@torch.no_grad()
+def _flatten(params: list) -> tuple[torch.Tensor, list[int]]:
+    """One flat tensor holding ``params``' values, which become views of it; with the
+    parameters' data pointers (to notice when one is given other storage)."""
+    return _views(torch.cat([p.detach().reshape(-1) for p in params]), params)
+
+
+def _views(flat: torch.Tensor, params: list) -> tuple[torch.Tensor, list[int]]:
+    """Make ``params`` views of consecutive slices of ``flat`` (their values are flat's)."""
+    offset = 0
+    for p in params:
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat, [p.data_ptr() for p in params]
+
+
 class ModelLayout:
     """How one model's parameters map onto tables. Build it with :meth:`of`."""
 
@@ -84,6 +101,7 @@ class ModelLayout:
         self.sparse: dict[str, SparseEmbedding] = sparse
         self.dense: list[tuple[str, list[torch.Tensor]]] = dense
         self.heter: dict[str, HeterSection] = heter or {}  # the model's sections, by name
+        self._flat: dict[str, tuple[torch.Tensor, list[int]]] = {}  # flatten_dense
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -150,26 +168,67 @@ class ModelLayout:
         for m in self.sparse.values():
             m.bind(backend)
 
+    def flatten_dense(self) -> None:
+        """Give each dense table's parameters one flat storage, the parameters becoming views
+        of it (as DDP's gradient buckets or FSDP's flat parameters do), so that
+        :meth:`dense_values` is the model's own memory: a communicator reads and writes the
+        weights in place instead of a copy out and a copy in per step. Tables whose parameters
+        are not all float32 on the CPU keep their own storage (and the copies)."""
+        self._flat = {n: _flatten(ps) for n, ps in self.dense
+                      if all(p.device.type == "cpu" and p.dtype == torch.float32 for p in ps)}
+
+    def _flat_of(self, name: str, params: list) -> Optional[torch.Tensor]:
+        """The table's flat storage, if it has one; a parameter given new storage since
+        (``p.data = ...``, ``load_state_dict(assign=True)``) gets the table flattened again."""
+        entry = self._flat.get(name)
+        if entry is None:
+            return None
+        if [p.data_ptr() for p in params] != entry[1]:
+            entry = self._flat[name] = _flatten(params)
+        return entry[0]
+
     def dense_values(self) -> dict[str, np.ndarray]:
-        """Each dense table's weights, flattened (a copy)."""
-        return {n: torch.cat([p.detach().reshape(-1).cpu() for p in ps]).numpy()
-                for n, ps in self.dense}
+        """Each dense table's weights, flattened: after :meth:`flatten_dense` the model's own
+        memory (writing into it changes the model), otherwise a copy."""
+        out = {}
+        for n, ps in self.dense:
+            flat = self._flat_of(n, ps)
+            out[n] = flat.numpy() if flat is not None else \
+                torch.cat([p.detach().reshape(-1).cpu() for p in ps]).numpy()
+        return out
 
     def dense_grads(self) -> dict[str, np.ndarray]:
-        """Each dense table's gradient, flattened (zeros where a parameter has none)."""
+        """Each dense table's gradient, flattened into a new array (zeros where a parameter has
+        none): the caller may keep it."""
         return {n: torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
                               .detach().reshape(-1).cpu() for p in ps]).numpy()
                 for n, ps in self.dense}
 
-    @torch.no_grad()
-    def load_dense(self, values: Mapping[str, np.ndarray]) -> None:
-        """Copy flat dense weights into the model's parameters."""
+    def load_dense(self, values: Mapping[str, np.ndarray], adopt: bool = False) -> None:
+        """Copy flat dense weights into the model's parameters (nothing to do for the arrays
+        :meth:`dense_values` returned after :meth:`flatten_dense`: they are the model's).
+
+        ``adopt=True``: the caller gives the arrays up; a flattened table whose new values
+        come as a contiguous float32 array of its size takes that array as its storage (the
+        parameters become views of it) instead of copying it.
+        """
         for n, ps in self.dense:
-            flat = torch.from_numpy(np.asarray(values[n], np.float32))
-            offset = 0
-            for p in ps:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            source = np.asarray(values[n], np.float32)
+            flat = self._flat_of(n, ps)
+            if flat is not None and source.__array_interface__["data"][0] == flat.data_ptr():
+                continue  # the model's own memory (every step after flatten_dense)
+            if flat is not None and adopt and source.size == flat.numel() \
+                    and source.flags.c_contiguous and source.flags.writeable:
+                self._flat[n] = _views(torch.from_numpy(source.reshape(-1)), ps)
+                continue
+            with torch.no_grad():
+                if flat is not None:
+                    flat.copy_(torch.from_numpy(source.reshape(-1)))
+                    continue
+                flat_in, offset = torch.from_numpy(source), 0
+                for p in ps:
+                    p.copy_(flat_in[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
 
     def initial_sparse(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """``(ids, rows)`` of tables that start from a module's weights (``nn.Embedding``)."""
@@ -188,41 +247,51 @@ class ModelLayout:
             m.clear_gradients()
 
     def sparse_grads(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Every table's ``(ids, grads)`` since the last call (repeated ids possible)."""
+        """Every table's ``(ids, grads)`` since the last call (repeated ids possible). A table
+        looked up once per step hands over that lookup's own arrays, uncopied: its ids are the
+        unique ids of the pull that served it (communicators recognise them, see
+        :class:`~fleetx.ps_torch.geo.GeoCommunicator`)."""
         out = {}
         for n, m in self.sparse.items():
             parts = m.pop_gradients()
-            if parts:
+            if len(parts) == 1:
+                out[n] = parts[0]
+            elif parts:
                 out[n] = (np.concatenate([i for i, _ in parts]),
                           np.concatenate([g for _, g in parts]))
         return out
 
 
 class RemoteSparseBackend:
-    """Lookups through a communicator. ``prefetch`` pulls a batch's rows of every table in one
-    request per server; lookups then read them (ids not prefetched are pulled on demand).
+    """Lookups through a communicator.
 
     ``defer(table, ids, create)`` only notes a lookup's ids; the first ``lookup`` of a noted
     array pulls every noted array of every table together (the client de-duplicates them and
     sends one request per server) and answers each from the reply's own mapping, without
     sorting the ids again. The sparse modules defer their lookups, so the lookups of one forward
     pass made before the first use of any of them cost one request per server.
+
+    ``prefetch`` requests a batch's rows before its forward (:mod:`.prefetch`): a later batched
+    pull whose ids for a table are exactly a prefetch's uses its rows instead of asking again.
+
+    Args:
+        communicator: the worker's communicator (its ``pull_sparse``).
+        create: training lookups create missing rows.
+        exact: sync mode: prefetched rows must be read after the last step's update.
     """
 
-    def __init__(self, communicator, create: bool = True) -> None:
+    def __init__(self, communicator, create: bool = True, exact: bool = False) -> None:
         self.communicator, self.create = communicator, create
-        self._handle = None
-        self._cache: dict = {}
+        self.prefetched = PrefetchQueue(communicator.pull_sparse, exact)
         self._deferred: list[tuple[str, np.ndarray]] = []
         self._deferred_create = False
         self._answers: dict[int, tuple[np.ndarray, SparseRows]] = {}
 
-    def prefetch(self, ids: Mapping[str, np.ndarray], create: Optional[bool] = None) -> None:
-        """Start pulling ``ids[table]`` for every table (returns at once)."""
-        self._handle = self.communicator.pull_sparse(
-            {n: np.asarray(i) for n, i in ids.items()},
-            create=self.create if create is None else create)
-        self._cache = {}
+    def prefetch(self, ids: Mapping[str, np.ndarray], create: Optional[bool] = None,
+                 after_step: bool = False) -> None:
+        """Start pulling ``ids[table]`` for every table (returns at once) for the next forward,
+        or, with ``after_step``, for the forward after the next step."""
+        self.prefetched.add(ids, self.create if create is None else create, after_step)
 
     def defer(self, table: str, ids: np.ndarray, create: bool = True) -> None:
         """Note the lookup of ``ids`` (this very array) in ``table`` for the next batched pull."""
@@ -230,9 +299,11 @@ class RemoteSparseBackend:
         self._deferred_create = self._deferred_create or create
 
     def clear(self) -> None:
-        """Forget prefetched and noted rows (after a step, they are stale)."""
-        self._handle, self._cache, self._deferred, self._answers = None, {}, [], {}
+        """A step was taken: forget noted lookups (their rows are stale now); in sync mode
+        prefetched rows read before the step are dropped and held prefetches are sent."""
+        self._deferred, self._answers = [], {}
         self._deferred_create = False
+        self.prefetched.stepped()
 
     def lookup(self, table: str, ids: np.ndarray, create: Optional[bool] = None) -> SparseRows:
         """The rows of ``ids``; ``create`` (default: the backend's) for a pull on demand."""
@@ -242,28 +313,26 @@ class RemoteSparseBackend:
         answer = self._answers.pop(id(ids), None)
         if answer is not None and answer[0] is ids:
             return answer[1]
-        if self._handle is not None:
-            for n, rows in self._handle.wait().sparse.items():
-                order = np.argsort(rows.ids)
-                self._cache[n] = (rows.ids[order], rows.values[order])
-            self._handle = None
-        if table in self._cache:
-            known, values = self._cache[table]
-            uniq, inv = kernels.unique_inverse(ids)
-            pos = np.minimum(np.searchsorted(known, uniq), max(len(known) - 1, 0))
-            if len(known) and (known[pos] == uniq).all():
-                return SparseRows(uniq, values[pos], inv, np.shape(ids))
-        return self.communicator.pull_sparse({table: ids}, create=create).wait().sparse[table]
+        flat = np.ascontiguousarray(ids, np.int64).reshape(-1)
+        rows = self.prefetched.take({table: flat}, create).get(table)
+        if rows is None:
+            rows = self.communicator.pull_sparse({table: flat}, create=create).wait() \
+                .sparse[table]
+        return SparseRows(rows.ids, rows.values, rows.inverse, np.shape(ids))
 
     def _pull_deferred(self) -> None:
         parts: dict[str, list[np.ndarray]] = {}
         for table, ids in self._deferred:
             parts.setdefault(table, []).append(ids)
         wanted = {n: np.concatenate([np.asarray(i, np.int64).reshape(-1) for i in arrays])
+                  if len(arrays) > 1 else np.asarray(arrays[0], np.int64).reshape(-1)
                   for n, arrays in parts.items()}
         create = self.create and self._deferred_create
         self._deferred, self._deferred_create = [], False
-        reply = self.communicator.pull_sparse(wanted, create=create).wait().sparse
+        reply = self.prefetched.take(wanted, create)
+        rest = {n: ids for n, ids in wanted.items() if n not in reply}
+        if rest:
+            reply.update(self.communicator.pull_sparse(rest, create=create).wait().sparse)
         for n, arrays in parts.items():
             rows, offset = reply[n], 0
             for ids in arrays:

@@ -35,7 +35,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from fleetx.ps_torch.heter import attach, detach
 from fleetx.ps_torch.heter_worker import HeterWorker, heter_device
 from fleetx.ps_torch.inference import NO_STEP, InferenceSession
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
+from fleetx.ps_torch.prefetch import PrefetchLoader, table_ids
 from fleetx.ps_torch.progress import CountedModel, Progress
 from fleetx.ps.server import run_server
 from fleetx.ps.shard import check_growth
@@ -111,7 +112,8 @@ class _RemoteSession:
         self.layout = layout.restricted([n for n, _ in layout.dense
                                          if n not in layout.heter_tables()]) if heter else layout
         self.comm = make_communicator(config, rank, layout.tables, comm)
-        self.backend = RemoteSparseBackend(self.comm)
+        self.backend = RemoteSparseBackend(self.comm, exact=config.mode == PSMode.SYNC)
+        layout.flatten_dense()  # the communicator then reads and writes the model in place
         initial = layout.initial_sparse() if rank == 0 else None
         # worker 0 assigns every table's start, the heter sections' too
         self._params = self.comm.start(layout.dense_values(), initial)
@@ -122,14 +124,18 @@ class _RemoteSession:
         geo = self.mode == PSMode.GEO
         if geo:  # GEO trains locally; the communicator sends the parameter change every k steps
             optimizer.step()
-        params = self.layout.dense_values()
+        params = self.layout.dense_values()  # the model's own memory: written in place
         self.comm.step(params, {} if geo else self.layout.dense_grads(),
                        self.layout.sparse_grads())
-        self.layout.load_dense(params)
+        # nothing to copy: the flat arrays are the model's, or (async) new arrays it adopts
+        self.layout.load_dense(params, adopt=True)
         self._params = params
         self.backend.clear()
         if self.heter is not None:  # after the servers' round: a stalled peer is named there
             self.heter.step()
+
+    def prefetch(self, ids: dict, after_step: bool) -> None:
+        self.backend.prefetch(ids, after_step=after_step)
 
     def set_lr(self, lr: float, tables: list) -> None:
         self.comm.set_lr(lr, tables)
@@ -380,6 +386,34 @@ class PSRuntime(TableCalls):
         if mode != 2:
             self._delta_blocked = False
         _say(f"saved to {os.path.abspath(dirname)}")
+
+    def prefetch(self, batches: Iterable, ids_of: Callable[[Any], Mapping]) -> PrefetchLoader:
+        """``fleet.prefetch``: iterate ``batches``; while batch ``i`` trains, the rows of batch
+        ``i + 1`` are on their way (:mod:`fleetx.ps_torch.prefetch` says when they are read
+        in each mode). Nothing to do in a job without servers.
+
+        Args:
+            batches: any iterable of batches (a ``DataLoader``, a generator...).
+            ids_of: ``batch -> {embedding module or table name: ids}``: the ids each sparse
+                table's lookup will get in the forward of that batch (a tensor or array; a list
+                of them, in lookup order, for a table looked up several times).
+
+        Raises:
+            StateError: on a server, or before ``init_worker`` in a job with servers (at the
+                first batch).
+            PSConfigError: ``ids_of`` named a table the model does not have (the message lists
+                the tables).
+        """
+        return PrefetchLoader(batches, ids_of, self._prefetch_rows)
+
+    def _prefetch_rows(self, ids: Mapping, after_step: bool) -> None:
+        if self.is_server:
+            raise StateError("fleet.prefetch runs on workers; this process is a server")
+        if self._session is None and self.config is None:
+            return  # a job without servers has its rows at hand
+        session = self._started("fleet.prefetch")
+        if hasattr(session, "prefetch"):
+            session.prefetch(table_ids(self._layout("prefetch"), ids), after_step)
 
     def barrier(self, name: str = "") -> None:
         """Wait for every worker that has not stopped (through server 0)."""

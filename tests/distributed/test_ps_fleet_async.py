@@ -2,7 +2,9 @@
 
 The communicator's knobs from ``a_sync_configs`` are honoured: with ``max_merge_var_num=4`` and
 a long ``send_wait_times`` the queued steps of a worker travel merged, in far fewer pushes than
-steps; with a bounded ``send_queue_size`` and two pushes in flight the job still converges.
+steps; with a bounded ``send_queue_size`` and two pushes in flight the job still converges. With
+``fleet.prefetch`` (rows read one step early) it converges too, every lookup served by its
+prefetch.
 """
 import json
 import sys
@@ -26,3 +28,12 @@ def test_async_converges_and_merges_queued_steps(tmp_path):
         assert float(got["eval_after"]) < 0.2 * float(got["eval_before"]), \
             (float(got["eval_before"]), float(got["eval_after"]))
         assert 1 <= int(got["pushes"]) <= 80  # 160 steps, up to 4 per push
+
+
+def test_async_with_prefetch_converges(tmp_path):
+    run_job(tmp_path, 1, 2, "--mode", "async", "--steps", "100", "--lr", "0.1", "--prefetch")
+    for rank in range(2):
+        got = np.load(tmp_path / f"worker{rank}.npz")
+        assert float(got["eval_after"]) < 0.2 * float(got["eval_before"]), \
+            (float(got["eval_before"]), float(got["eval_after"]))
+        assert (int(got["prefetch_hits"]), int(got["prefetch_misses"])) == (100, 0)

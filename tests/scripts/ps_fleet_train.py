@@ -34,6 +34,7 @@ ap.add_argument("--save-at", action="append", default=[],
 ap.add_argument("--load", default=None, help="a save folder, or base,delta,... (a chain)")
 ap.add_argument("--sleep-rank1", type=float, default=0.0)
 ap.add_argument("--stop-rank1-after", type=int, default=-1)
+ap.add_argument("--prefetch", action="store_true", help="iterate through fleet.prefetch")
 args = ap.parse_args()
 
 fleet.init()
@@ -71,16 +72,23 @@ if comm is not None:  # count the requests that carry gradients (async merging)
     push = comm.client.push
     comm.client.push = lambda *a, **k: (pushes.append(1), push(*a, **k))[1]
 losses = []
-for step in range(args.start, args.start + args.steps):
+steps = range(args.start, args.start + args.steps)
+batches = ((s, batch(s, rank, nranks)) for s in steps)
+if args.prefetch:  # the next batch's rows travel while this one trains (module or table name)
+    batches = fleet.prefetch(batches, lambda b: {model.module.emb: b[1][0], "tags": b[1][1]})
+for step, data in batches:
     if rank == 1 and step == args.stop_rank1_after:
         break
-    loss = loss_of(model, *batch(step, rank, nranks))
+    loss = loss_of(model, *data)
     opt.minimize(loss)
     losses.append(loss.item())
     for at in args.save_at:
         at_step, mode, dirname = at.split(":", 2)
         if int(at_step) == step:
             fleet.save_persistables(dirname, mode=int(mode))
+backend = getattr(getattr(fleet._fleet._ctx.runtime, "_session", None), "backend", None)
+prefetched = getattr(backend, "prefetched", None)
+hits, misses = (prefetched.hits, prefetched.misses) if prefetched else (0, 0)
 if args.save:
     fleet.save_persistables(args.save)
 eval_after = evaluate()
@@ -91,5 +99,6 @@ with torch.no_grad():  # the rows as the servers (or, in GEO, this worker) hold 
     record = snapshot(emb, tags, model.mlp)
 fleet.stop_worker()
 np.savez(Path(args.out) / f"worker{rank}.npz", losses=np.array(losses), eval_before=eval_before,
-         eval_after=eval_after, eval_seconds=eval_seconds, pushes=len(pushes), **record)
+         eval_after=eval_after, eval_seconds=eval_seconds, pushes=len(pushes),
+         prefetch_hits=hits, prefetch_misses=misses, **record)
 print(f"worker {rank} done: eval loss {eval_before:.4f} -> {eval_after:.4f}", flush=True)
