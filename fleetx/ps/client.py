@@ -139,7 +139,8 @@ class KVClient:
         if c.transport == "zmq":  # loopback-only comparison: no handshake
             from fleetx.ps.transport_zmq import connect_link
             return connect_link(host, port, name, c.timeout, **options)
-        return Link(connect(host, port, name, c.timeout, key), name, **options)
+        return Link(connect(host, port, name, c.timeout, key, local=c.local_sockets), name,
+                    **options)
 
     def stop(self) -> None:
         """Say BYE to every server (they stop counting this worker) and disconnect."""
