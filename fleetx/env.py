@@ -155,6 +155,10 @@ _VARS = [
        "servers and workers refuse any non-loopback endpoint: it exists to measure the two "
        "against each other); any other value is an error naming the choices", "user",
        "ps runtime", "none"),
+    _v("FLEETX_PS_LOCAL_SOCKETS", "1 (default): a parameter server also listens on a "
+       "Unix-domain socket in a folder only its user can enter, and workers and heter workers on "
+       "the same machine connect through it (same handshake and frames, no TCP/IP processing); "
+       "0: TCP only", "user", "ps runtime", "none"),
     _v("FLEETX_AUTO_MEMORY_MB", "memory budget per rank in MiB for strategy.auto: it keeps the "
        "fastest measured plan whose parameter, gradient, optimizer and saved-for-backward bytes "
        "per rank fit (default: the device's free memory plus what the model already holds)",

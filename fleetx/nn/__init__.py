@@ -7,8 +7,9 @@ What it offers: ``torch.nn.Module`` s that look their rows up through a *backend
 tables into one request per server, through ``deferred.DeferredRows``), and hand each lookup's
 de-duplicated ``(ids, grads)`` over after backward (``pop_gradients``).
 
-What it may import: torch, numpy, its own modules, and :mod:`fleetx.ps.api` for the table's
-declared configuration (``InitConfig``, ``RuleConfig``: plain data). It never imports the PS
+What it may import: torch, numpy, its own modules, :mod:`fleetx.ps.api` for the table's
+declared configuration (``InitConfig``, ``RuleConfig``: plain data) and :mod:`fleetx.ps.kernels`
+(the C segment sum of a lookup's backward). It never imports the PS
 client, server or runtime, nor ``fleet`` or ``strategy``: whatever binds a backend (the
 parameter-server adapter, or a local table in one process) imports this package, not the
 reverse.

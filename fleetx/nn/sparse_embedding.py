@@ -22,9 +22,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from fleetx.nn.deferred import DeferredRows
+from fleetx.ps import kernels
 from fleetx.ps.api import AccessorConfig, InitConfig, RuleConfig, ShowClickEntry
 
 __all__ = ["SparseEmbedding", "SparseEmbeddingBag"]
@@ -168,8 +170,8 @@ class SparseEmbedding(nn.Module):
         return produce()
 
     def _expand(self, rows: Any, leaf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        inverse = torch.from_numpy(np.asarray(rows.inverse, np.int64))
-        return leaf.index_select(0, inverse).view(*ids.shape, self.embedding_dim)
+        inverse = np.asarray(rows.inverse, np.int64)
+        return _Occurrences.apply(leaf, inverse).view(*ids.shape, self.embedding_dim)
 
     def pop_gradients(self) -> list[tuple[np.ndarray, np.ndarray]]:
         """``(unique ids, their summed gradients)`` of every lookup since the last call; for a
@@ -194,6 +196,29 @@ class SparseEmbedding(nn.Module):
     def extra_repr(self) -> str:
         bound = f", num_embeddings={self.num_embeddings}" if self.num_embeddings else ""
         return f"{self.embedding_dim}, name={self.table_name!r}{bound}"
+
+
+class _Occurrences(torch.autograd.Function):
+    """``leaf[inverse]``: one row per occurrence. Its backward sums the gradient of every
+    occurrence into its id's row in one pass (the C segment sum of :mod:`fleetx.ps.kernels`),
+    where ``index_select``'s backward sorts the indices first."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor, inverse: np.ndarray) -> torch.Tensor:
+        ctx.inverse, ctx.rows = inverse, leaf.shape[0]
+        return leaf.index_select(0, torch.from_numpy(inverse))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        dim = grad.shape[-1]
+        if grad.dtype == torch.float32 and grad.device.type == "cpu":
+            summed = kernels.segment_sum(ctx.inverse, grad.contiguous().view(-1, dim).numpy(),
+                                         ctx.rows)
+            return torch.from_numpy(summed), None
+        out = torch.zeros(ctx.rows, dim, dtype=grad.dtype, device=grad.device)
+        return out.index_add_(0, torch.from_numpy(ctx.inverse).to(grad.device),
+                              grad.reshape(-1, dim)), None
 
 
 class SparseEmbeddingBag(SparseEmbedding):

@@ -17,6 +17,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define INDEX_SALT 0x2545F4914F6CDD1DULL
@@ -446,6 +447,85 @@ static PyObject *segment_sum(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* unique_first(keys, out_uniq, out_inverse) -> number of distinct keys.
+ * out_uniq[:count] holds them in order of first occurrence and out_inverse[j] is the position of
+ * keys[j] among them. One pass over a private open-addressing table (positions, 4 bytes a slot,
+ * a power of two >= 2n slots: it stays in cache for a batch), instead of sorting every key. */
+static PyObject *unique_first(PyObject *self, PyObject *args) {
+    PyObject *o[3];
+    Buf b[3];
+    if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
+    if (get_buf(o[0], &b[0], 'i', 0, "keys") || get_buf(o[1], &b[1], 'i', 1, "out_uniq") ||
+        get_buf(o[2], &b[2], 'i', 1, "out_inverse")) {
+        release(b, 3);
+        return NULL;
+    }
+    Py_ssize_t n = LEN(b[0]);
+    if (LEN(b[1]) < n || LEN(b[2]) < n || n > 0x3FFFFFFF) {
+        release(b, 3);
+        return PyErr_Format(PyExc_ValueError, "unique_first: out_uniq and out_inverse must hold "
+                            "the %zd keys (at most 2^30)", n);
+    }
+    size_t cap = 16;
+    while (cap < 2 * (size_t)n) cap <<= 1;
+    int32_t *table = (int32_t *)malloc(cap * sizeof(int32_t));
+    if (!table) {
+        release(b, 3);
+        return PyErr_NoMemory();
+    }
+    const int64_t *keys = I64(b[0]);
+    int64_t *uniq = I64(b[1]), *inv = I64(b[2]);
+    int32_t count = 0;
+    Py_BEGIN_ALLOW_THREADS
+    memset(table, 0xff, cap * sizeof(int32_t));
+    uint64_t mask = cap - 1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        int64_t k = keys[j];
+        uint64_t h = key_hash(k) & mask;
+        for (;;) {  /* ends: the table is at most half full */
+            int32_t u = table[h];
+            if (u < 0) {
+                table[h] = count;
+                uniq[count] = k;
+                inv[j] = count++;
+                break;
+            }
+            if (uniq[u] == k) {
+                inv[j] = u;
+                break;
+            }
+            h = (h + 1) & mask;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(table);
+    release(b, 3);
+    return PyLong_FromLong(count);
+}
+
+/* all_finite(values) -> True when no float32 value is NaN or +-inf. Reads the bits (exponent
+ * all ones) in blocks the compiler vectorises, stopping at the first block that holds one;
+ * no temporary array. */
+static PyObject *all_finite(PyObject *self, PyObject *args) {
+    PyObject *o;
+    Buf b;
+    if (!PyArg_ParseTuple(args, "O", &o)) return NULL;
+    if (get_buf(o, &b, 'f', 0, "values")) return NULL;
+    Py_ssize_t n = LEN(b);
+    const uint32_t *v = (const uint32_t *)b.view.buf;
+    int ok = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n && ok; i += 1024) {
+        Py_ssize_t end = i + 1024 < n ? i + 1024 : n;
+        uint32_t bad = 0;
+        for (Py_ssize_t j = i; j < end; j++) bad |= ((v[j] & 0x7F800000u) == 0x7F800000u);
+        ok = !bad;
+    }
+    Py_END_ALLOW_THREADS
+    release(&b, 1);
+    return PyBool_FromLong(ok);
+}
+
 /* ---- update rules ----------------------------------------------------------------------
  * apply_<rule>(slab, width, rows, grads, dim, <hyper-parameters>): rows must be unique. */
 
@@ -609,6 +689,9 @@ static PyMethodDef methods[] = {
     {"index_relink", index_relink, METH_VARARGS, "index_relink(slots, row_keys, keys, rows)"},
     {"gather", gather, METH_VARARGS, "gather(slab, width, rows, out, ncols)"},
     {"segment_sum", segment_sum, METH_VARARGS, "segment_sum(out, inverse, values, dim)"},
+    {"unique_first", unique_first, METH_VARARGS,
+     "unique_first(keys, out_uniq, out_inverse) -> count"},
+    {"all_finite", all_finite, METH_VARARGS, "all_finite(values) -> bool"},
     {"apply_sgd", apply_sgd, METH_VARARGS,
      "apply_sgd(slab, width, rows, grads, dim, lr, weight_decay, momentum, nesterov)"},
     {"apply_adagrad", apply_adagrad, METH_VARARGS,

@@ -25,10 +25,12 @@ import errno
 import logging
 import selectors
 import socket
+import struct
 import threading
 import time
 from typing import Callable, Optional
 
+from fleetx.ps import local as local_links
 from fleetx.ps.api import PeerLostError
 from fleetx.ps.handshake import BUSY, REJECTED, RESPONSE_BYTES, Challenge
 
@@ -80,7 +82,9 @@ class _Pending:
 
 
 class Acceptor:
-    """Listens on ``host:port`` and hands every authenticated connection to ``adopt``.
+    """Listens on ``host:port`` (and, with ``local``, on a Unix-domain socket for peers on
+    this machine, :mod:`fleetx.ps.local`) and hands every authenticated connection to
+    ``adopt``.
 
     Args:
         host, port: where to listen (port 0 picks a free port, see :attr:`endpoint`).
@@ -92,6 +96,8 @@ class Acceptor:
             socket and ``"ip:port"`` of its peer.
         max_pending: connections in the handshake at once.
         handshake_timeout: seconds a connection has to authenticate.
+        local: also listen on the same-machine socket of the port (when one can be made);
+            its connections pass the same handshake and limits.
 
     Raises:
         PeerLostError: the address cannot be listened on (names the endpoint).
@@ -104,7 +110,7 @@ class Acceptor:
     def __init__(self, host: str, port: int, key: bytes, name: str,
                  has_room: Callable[[], bool], adopt: Callable[[socket.socket, str], None],
                  max_pending: int = MAX_PENDING,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, local: bool = False) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -115,6 +121,10 @@ class Acceptor:
             raise PeerLostError(f"server endpoint {host}:{port}", f"cannot listen: {e}") from None
         self.sock.setblocking(False)
         self.host, self.port = host, self.sock.getsockname()[1]
+        # bound after the TCP port, which no other process holds meanwhile: the path is ours
+        self.local_sock = local_links.listen(self.port, _BACKLOG) if local else None
+        self.local_path = self.local_sock.getsockname() if self.local_sock else None
+        self._listeners = [s for s in (self.sock, self.local_sock) if s is not None]
         self.name, self._key = name, key
         self._has_room, self._adopt = has_room, adopt
         self._max_pending, self._timeout = max_pending, handshake_timeout
@@ -131,7 +141,8 @@ class Acceptor:
         return f"{self.host}:{self.port}"
 
     def start(self) -> "Acceptor":
-        self._sel.register(self.sock, selectors.EVENT_READ)
+        for listener in self._listeners:
+            self._sel.register(listener, selectors.EVENT_READ)
         self._thread.start()
         return self
 
@@ -143,6 +154,9 @@ class Acceptor:
         for p in list(self._pending.values()):
             self._drop(p)
         self._sel.close()
+        if self.local_sock is not None:
+            local_links.unlink(self.local_path)  # before the port is free for another server
+            self.local_sock.close()
         self.sock.close()
 
     def counters(self) -> dict:
@@ -161,8 +175,8 @@ class Acceptor:
 
     def _step(self) -> None:
         for key, _ in self._sel.select(timeout=0.2):
-            if key.fileobj is self.sock:
-                self._accept_some()
+            if key.fileobj in self._listeners:
+                self._accept_some(key.fileobj)
             elif key.data is not None:
                 self._read(key.data)
         now = time.monotonic()
@@ -174,12 +188,13 @@ class Acceptor:
             self._drop(p)
         if self._paused_until is not None and now >= self._paused_until:
             self._paused_until = None
-            self._sel.register(self.sock, selectors.EVENT_READ)
+            for listener in self._listeners:
+                self._sel.register(listener, selectors.EVENT_READ)
 
-    def _accept_some(self) -> None:
+    def _accept_some(self, listener: socket.socket) -> None:
         for _ in range(64):  # then let pending handshakes have their turn
             try:
-                conn, addr = self.sock.accept()  # the address comes with it: no getpeername
+                conn, addr = listener.accept()  # the address comes with it: no getpeername
             except BlockingIOError:
                 return
             except OSError as e:
@@ -192,7 +207,7 @@ class Acceptor:
                                     self.name, e)
                 continue
             self._backoff = 0.05
-            self._begin(conn, "%s:%s" % tuple(addr[:2]) if addr else "unknown peer")
+            self._begin(conn, _peer_name(conn, addr))
 
     def _starved(self, e: OSError) -> bool:
         """Out of descriptors or memory: close the oldest unauthenticated connection to make
@@ -206,7 +221,8 @@ class Acceptor:
         self.events.warning("out_of_descriptors", "%s: cannot accept connections: %s; "
                             "pausing %.2f s (the kernel keeps them queued)", self.name,
                             e.strerror, self._backoff)
-        self._sel.unregister(self.sock)
+        for listener in self._listeners:
+            self._sel.unregister(listener)
         self._paused_until = time.monotonic() + self._backoff
         self._backoff = min(_MAX_BACKOFF, self._backoff * 2)
         return False
@@ -288,3 +304,17 @@ class Acceptor:
         except OSError:
             pass
         sock.close()
+
+
+def _peer_name(conn: socket.socket, addr) -> str:
+    """``ip:port`` of a TCP peer; the process id of a same-machine one (Linux tells it)."""
+    if conn.family != socket.AF_UNIX:
+        return "%s:%s" % tuple(addr[:2]) if addr else "unknown peer"
+    try:
+        pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, _SO_PEERCRED, 12))[0]
+        return f"pid {pid} (same-machine socket)"
+    except (OSError, struct.error):
+        return "a same-machine socket"
+
+
+_SO_PEERCRED = getattr(socket, "SO_PEERCRED", 17)

@@ -604,6 +604,9 @@ class PSConfig:
         heter_workers: ``host:port`` of every heter worker (``docs/heter.md``). They connect
             to the servers as ranks ``num_workers, num_workers + 1, ...``: their pushes are
             applied on arrival in every mode and they take no part in sync rounds or barriers.
+        local_sockets: servers (and heter workers) also listen on a Unix-domain socket in a
+            folder only their user can enter, and peers on the same machine connect through it
+            (:mod:`fleetx.ps.local`); ``FLEETX_PS_LOCAL_SOCKETS`` (1 by default, 0: TCP only).
     """
 
     servers: tuple
@@ -624,6 +627,7 @@ class PSConfig:
     save_root: Optional[str] = None
     transport: str = "tcp"
     heter_workers: tuple = ()
+    local_sockets: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -655,6 +659,8 @@ class PSConfig:
                  f"expected one of {NONFINITE}")
         _require(self.transport in TRANSPORTS, f"PSConfig.transport={self.transport!r}: "
                  f"expected one of {TRANSPORTS}")
+        _require(isinstance(self.local_sockets, bool), f"PSConfig.local_sockets="
+                 f"{self.local_sockets!r}: expected True or False")
 
     @property
     def num_servers(self) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 
 from fleetx.checkpoint import FileEntry
 from fleetx.ps import kernels
+from fleetx.ps.buffers import BufferPool
 from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, PSConfig, PSError, Tables,
                            endpoint_of)
 from fleetx.ps.partition import Route, dense_ranges, route
@@ -35,6 +36,8 @@ from fleetx.ps.transport import Heartbeats, Link, Message
 __all__ = ["KVClient", "SparseRows", "PullResult"]
 
 log = logging.getLogger("fleetx.ps")
+
+_F32 = np.dtype(np.float32)
 
 
 class SparseRows:
@@ -91,6 +94,7 @@ class KVClient:
         self._heartbeats: Optional[Heartbeats] = None
         self.initialized: set[str] = set()  # tables some server already holds (a checkpoint)
         self._registered = False
+        self._pool = BufferPool()
 
     # ------------------------------------------------------------------ life cycle
 
@@ -135,7 +139,8 @@ class KVClient:
         if c.transport == "zmq":  # loopback-only comparison: no handshake
             from fleetx.ps.transport_zmq import connect_link
             return connect_link(host, port, name, c.timeout, **options)
-        return Link(connect(host, port, name, c.timeout, key), name, **options)
+        return Link(connect(host, port, name, c.timeout, key, local=c.local_sockets), name,
+                    **options)
 
     def stop(self) -> None:
         """Say BYE to every server (they stop counting this worker) and disconnect."""
@@ -151,6 +156,12 @@ class KVClient:
                 link.close()
             if self._heartbeats:
                 self._heartbeats.stop()
+
+    def _array(self, numel: int) -> np.ndarray:
+        """A float32 array for a reply to land in: from the pool, so that the memory of the
+        arrays a step no longer holds (rows of the last batch, replaced dense weights) is
+        written again instead of being given back and faulted in anew."""
+        return self._pool.take(_F32, 4 * numel)
 
     def _servers(self) -> range:
         return range(self.config.num_servers)
@@ -223,9 +234,9 @@ class KVClient:
         """
         sparse = dict(sparse or {})
         routes = {n: self._route(n, ids) for n, ids in sparse.items()}
-        values = {n: np.empty((len(r.ids), self.tables.get(n).dim), np.float32)
-                  for n, r in routes.items()}
-        flat = {n: np.empty(self.tables.get(n).numel, np.float32) for n in dense}
+        values = {n: self._array(len(r.ids) * self.tables.get(n).dim).reshape(
+            len(r.ids), self.tables.get(n).dim) for n, r in routes.items()}
+        flat = {n: self._array(self.tables.get(n).numel) for n in dense}
         per_server = {}
         for s in self._servers():
             names = [n for n, r in routes.items() if r.offsets[s + 1] > r.offsets[s]]
@@ -261,7 +272,7 @@ class KVClient:
         if geo_pull is not None:
             meta["geo_pull"] = list(geo_pull)
         every = self.config.mode == PSMode.SYNC or geo_pull is not None or bool(pull_dense)
-        flat = {n: _target(out, n, self.tables.get(n).numel) for n in pull_dense}
+        flat = {n: _target(out, n, self.tables.get(n).numel, self._array) for n in pull_dense}
         # geo replies have a variable number of rows: let the transport allocate those
         direct = None if geo_pull is not None else flat
         per_server = self._push_parts(sparse, dense, meta, every, direct)
@@ -386,10 +397,12 @@ def _saved(replies) -> tuple[dict, list, list]:
     return rows, files, [r.meta for r in replies]
 
 
-def _target(out: Optional[Mapping[str, np.ndarray]], name: str, numel: int) -> np.ndarray:
-    """``out[name]`` as a flat view when it can receive a dense table in place, else new."""
+def _target(out: Optional[Mapping[str, np.ndarray]], name: str, numel: int,
+            new) -> np.ndarray:
+    """``out[name]`` as a flat view when it can receive a dense table in place, else
+    ``new(numel)``."""
     given = out.get(name) if out else None
     if given is not None and given.dtype == np.float32 and given.size == numel \
             and given.flags.c_contiguous and given.flags.writeable:
         return given.reshape(-1)
-    return np.empty(numel, np.float32)
+    return new(numel)

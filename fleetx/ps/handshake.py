@@ -29,6 +29,7 @@ import time
 from typing import Mapping, Optional
 
 from fleetx import env
+from fleetx.ps import local as local_links
 from fleetx.ps.api import TRANSPORTS, AuthError, PSConfigError, PSConfig, PSTimeoutError
 
 __all__ = ["CHALLENGE", "RESPONSE_BYTES", "OK", "REJECTED", "BUSY", "VERDICT_OK_BYTES",
@@ -56,22 +57,29 @@ _warned = threading.Event()
 def settings_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
     """``PSConfig`` fields from the environment (``environ``, the process environment by
     default): the secret (``FLEETX_PS_SECRET`` or ``FLEETX_PS_SECRET_FILE``, only named here;
-    checked when a connection is made), the frame limit (``FLEETX_PS_MAX_FRAME_MB``) and the
-    transport (``FLEETX_PS_TRANSPORT``).
+    checked when a connection is made), the frame limit (``FLEETX_PS_MAX_FRAME_MB``), the
+    transport (``FLEETX_PS_TRANSPORT``) and the same-machine sockets
+    (``FLEETX_PS_LOCAL_SOCKETS``).
 
     Raises:
-        fleetx.env.EnvError: ``FLEETX_PS_MAX_FRAME_MB`` is not a number, or
-            ``FLEETX_PS_TRANSPORT`` is not one of :data:`fleetx.ps.api.TRANSPORTS`.
+        fleetx.env.EnvError: ``FLEETX_PS_MAX_FRAME_MB`` is not a number,
+            ``FLEETX_PS_TRANSPORT`` is not one of :data:`fleetx.ps.api.TRANSPORTS`, or
+            ``FLEETX_PS_LOCAL_SOCKETS`` is neither 0 nor 1.
     """
     transport = env.get("FLEETX_PS_TRANSPORT", "tcp", environ)
     if transport not in TRANSPORTS:
         raise env.EnvError(f"environment variable FLEETX_PS_TRANSPORT={transport!r}: expected "
                            f"one of {', '.join(TRANSPORTS)}")
+    local = env.get("FLEETX_PS_LOCAL_SOCKETS", "1", environ)
+    if local not in ("0", "1"):
+        raise env.EnvError(f"environment variable FLEETX_PS_LOCAL_SOCKETS={local!r}: expected "
+                           "1 (same-machine peers connect through a Unix-domain socket) or 0 "
+                           "(TCP only)")
     return {"secret": env.get("FLEETX_PS_SECRET", None, environ),
             "secret_file": env.get("FLEETX_PS_SECRET_FILE", None, environ),
             "max_frame_bytes": int(env.get_float("FLEETX_PS_MAX_FRAME_MB", 1024.0, environ)
                                    * (1 << 20)),
-            "transport": transport}
+            "transport": transport, "local_sockets": local == "1"}
 
 
 def resolve_secret(config: PSConfig) -> Optional[bytes]:
@@ -207,19 +215,23 @@ def client_handshake(sock: socket.socket, key: bytes, name: str, timeout: float)
                         f"program on that port, or another job's server): {_HOW}")
 
 
-def connect(host: str, port: int, name: str, timeout: float, key: bytes = b"") -> socket.socket:
+def connect(host: str, port: int, name: str, timeout: float, key: bytes = b"",
+            local: bool = False) -> socket.socket:
     """Connect and pass the handshake, retrying while the peer is not listening yet (servers
-    may start later than workers) or is busy.
+    may start later than workers) or is busy. ``local``: when ``host`` is this machine, each
+    try goes to the server's same-machine socket first (:mod:`fleetx.ps.local`), then to TCP.
 
     Raises:
         PSTimeoutError: no connection within ``timeout`` seconds; the message names ``name``.
         AuthError: the server rejected this process's secret or did not prove it holds it.
     """
     deadline, delay, last = time.monotonic() + timeout, 0.05, None
+    here = local and local_links.is_local_host(host)
     while True:
         left = max(0.1, deadline - time.monotonic())
         try:
-            sock = socket.create_connection((host, port), timeout=min(10.0, left))
+            sock = (local_links.connect_unix(port, min(10.0, left)) if here else None) or \
+                socket.create_connection((host, port), timeout=min(10.0, left))
             try:
                 client_handshake(sock, key, name, min(_HANDSHAKE_TIMEOUT, left))
             except BaseException:

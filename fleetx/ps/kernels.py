@@ -27,7 +27,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
 __all__ = ["backend", "set_backend", "describe", "log_backend", "mix64", "INDEX_SALT",
            "EMPTY", "index_find", "index_insert", "index_rebuild", "index_remove", "index_relink",
            "gather", "segment_sum", "apply_sgd", "apply_adagrad",
-           "apply_adam", "apply_sum", "unique_inverse"]
+           "apply_adam", "apply_sum", "unique_inverse", "unique_first", "all_finite"]
 
 # Measured with benchmarks/ps_table.py on one 10^6-row table: pulls ~8x, Adam pushes ~2.5-4x
 # (docs/parameter_server.md §10).
@@ -357,9 +357,36 @@ def segment_sum(inverse: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
 
 
 def unique_inverse(ids: np.ndarray):
-    """``(unique ids, inverse)`` with ``ids == unique[inverse]``."""
+    """``(unique ids, inverse)`` with ``ids == unique[inverse]``, the unique ids sorted (as
+    ``np.unique``). The C backend de-duplicates with a hash table and sorts only the unique
+    ids, not every id."""
+    uniq, inverse = unique_first(ids)
+    if not _use_c:  # np.unique sorted them already
+        return uniq, inverse
+    order = np.argsort(uniq)
+    rank = np.empty(len(uniq), np.int64)
+    rank[order] = np.arange(len(uniq))
+    return uniq[order], rank[inverse]
+
+
+def unique_first(ids: np.ndarray):
+    """``(unique ids, inverse)`` with ``ids == unique[inverse]`` (flattened), in an order that
+    suits the backend: first occurrence in C (one hash pass, no sort), sorted in numpy."""
     flat = np.ascontiguousarray(ids, np.int64).reshape(-1)
-    return np.unique(flat, return_inverse=True)
+    if not _use_c:
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        return uniq, inverse.reshape(-1)
+    uniq, inverse = np.empty(len(flat), np.int64), np.empty(len(flat), np.int64)
+    count = _c.unique_first(flat, uniq, inverse)
+    return uniq[:count], inverse
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """True when no value of the float32 array is NaN or infinite (one pass, no temporary in
+    C)."""
+    if _use_c and values.dtype == np.float32 and values.flags.c_contiguous:
+        return _c.all_finite(values)
+    return bool(np.isfinite(values).all())
 
 
 def _np_rule(slab, rows, fn):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fleetx.ps.kernels import mix64
+from fleetx.ps.kernels import mix64, unique_first
 
 __all__ = ["shard_of", "server_of", "route", "dense_ranges", "Route"]
 
@@ -50,17 +50,17 @@ class Route:
 
 
 def route(ids: np.ndarray, num_servers: int, shard_num: int) -> Route:
-    """De-duplicate ``ids`` and group them by server (one vectorised pass, no per-id Python).
+    """De-duplicate ``ids`` and group them by server (no per-id Python; the unique ids of a
+    server come in no particular order).
 
     Example:
         >>> r = route(np.array([7, 3, 7]), 1, 1000)
         >>> r.ids[r.inverse].tolist()
         [7, 3, 7]
     """
-    uniq, inverse = np.unique(np.ascontiguousarray(ids, np.int64).reshape(-1),
-                              return_inverse=True)
+    uniq, inverse = unique_first(ids)  # a hash pass (C): the order within a server is free
     if num_servers == 1:
-        return Route(uniq, np.array([0, len(uniq)], np.int64), inverse.reshape(-1))
+        return Route(uniq, np.array([0, len(uniq)], np.int64), inverse)
     owner = server_of(uniq, num_servers, shard_num)
     order = np.argsort(owner, kind="stable")
     rank = np.empty_like(order)

@@ -16,6 +16,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import numpy as np
 
+from fleetx.ps import kernels
 from fleetx.ps.api import RequestError
 
 __all__ = ["Push", "check_meta", "names", "parse_push", "nonfinite_error", "parse_pull",
@@ -122,7 +123,7 @@ def parse_push(kind: str, meta: dict, bufs: list, sparse: Mapping[str, Any],
                        "this server's slice of the dense table")
         out_d.append((n, vals))
     for n, *arrays in out_s + out_d:
-        if not np.isfinite(arrays[-1]).all():
+        if not kernels.all_finite(arrays[-1]):
             bad.append(n)
     return Push(out_s, out_d, bad)
 

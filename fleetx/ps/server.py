@@ -218,7 +218,8 @@ class PSServer:
                             self._link_options())
         # a connection silent for dead_after is dead; a real handshake takes about a millisecond
         return Acceptor(host, port, key, self.name, self._has_room, self._adopt,
-                        handshake_timeout=min(HANDSHAKE_TIMEOUT, self.config.dead_after))
+                        handshake_timeout=min(HANDSHAKE_TIMEOUT, self.config.dead_after),
+                        local=self.config.local_sockets)
 
     def _link_options(self) -> dict:
         """Replies are queued per link, so a peer that stops reading never blocks the handler

@@ -33,12 +33,14 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from fleetx.ps.buffers import BufferPool
 from fleetx.ps.api import (DEFAULT_MAX_FRAME_BYTES, DESCRIPTOR, DTYPE_CODES, DTYPES, FLAG_ERROR,
                            FLAG_REPLY, HEADER, MAX_BUFFERS, MAX_META_BYTES, WIRE_MAGIC,
                            WIRE_VERSION, Kind, PeerLostError, ProtocolError)
@@ -164,8 +166,8 @@ class Link:
         self._out_bytes = 0
         self._io_threads = 0  # the socket is closed when the last of them ends
         self._credits = threading.BoundedSemaphore(max_inflight) if max_inflight else None
-        _tune(sock)
-        sock.settimeout(min(_TICK, dead_after / 2))
+        self._pool = BufferPool()  # buffers without a target: reused once nothing holds them
+        _tune(sock, min(_TICK, dead_after / 2))
         self._threads = [threading.Thread(target=self._recv_loop, name=f"ps-recv {name}",
                                           daemon=True)]
         if queued:
@@ -228,7 +230,7 @@ class Link:
             try:
                 _advance(views, self.sock.sendmsg(views[:_IOV_MAX]))
                 progress = time.monotonic()
-            except socket.timeout:
+            except (socket.timeout, BlockingIOError):  # SO_SNDTIMEO passed with nothing sent
                 if time.monotonic() - progress > self.dead_after:
                     reason = f"a send made no progress for {self.dead_after:g} s"
                     self._lose(reason)
@@ -263,7 +265,7 @@ class Link:
         """Write what the socket takes now, without waiting; drops what was written."""
         while views:
             try:
-                n = os.writev(self.sock.fileno(), views[:_IOV_MAX])
+                n = self.sock.sendmsg(views[:_IOV_MAX], (), socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return
             _advance(views, n)
@@ -304,7 +306,7 @@ class Link:
         replies costs no more per call than a short one."""
         out = self._out
         try:
-            n = os.writev(self.sock.fileno(), list(itertools.islice(out, _IOV_MAX)))
+            n = self.sock.sendmsg(list(itertools.islice(out, _IOV_MAX)), (), socket.MSG_DONTWAIT)
         except BlockingIOError:
             return 0
         left = n
@@ -378,9 +380,9 @@ class Link:
         got, n = 0, len(view)
         last = self.last_recv if deadline is None else time.monotonic()
         while got < n:
-            try:
-                k = self.sock.recv_into(view[got:])
-            except socket.timeout:
+            try:  # the whole rest at once: one system call, however many segments it takes
+                k = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+            except (socket.timeout, BlockingIOError):  # SO_RCVTIMEO passed with nothing read
                 if time.monotonic() - last > self.dead_after:
                     raise _Late(f"no frame or heartbeat for {self.dead_after:g} s"
                                 if deadline is None else f"no data for {self.dead_after:g} s "
@@ -417,7 +419,7 @@ class Link:
         for i, (dtype, nbytes) in enumerate(descs):
             arr = targets[i] if targets and i < len(targets) else None
             if arr is None:
-                arr = np.empty(nbytes // dtype.itemsize, dtype)
+                arr = self._pool.take(dtype, nbytes)
             elif arr.nbytes != nbytes or arr.dtype != dtype or not arr.flags.c_contiguous:
                 raise ProtocolError(f"buffer {i}: reply does not fit its target "
                                     f"({nbytes} bytes of {dtype} for {arr.nbytes} of {arr.dtype})")
@@ -466,11 +468,21 @@ def read_descriptors(rest, nbufs: int, total: int) -> list:
     return descs
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, tick: float) -> None:
+    """Big buffers, no Nagle; a blocking socket whose waits the kernel ends after ``tick``
+    seconds (SO_RCVTIMEO / SO_SNDTIMEO), so that a receive of a large buffer is one system
+    call (MSG_WAITALL) rather than a poll and a read per arriving segment, and every blocked
+    thread still looks at its deadlines each tick. Writes that must not block say so per call
+    (MSG_DONTWAIT)."""
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)
+    seconds = int(tick)
+    timeval = struct.pack("@ll", seconds, max(1, int((tick - seconds) * 1e6)))
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
 
 
 def _advance(views: list, sent: int) -> None:

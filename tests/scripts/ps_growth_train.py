@@ -63,6 +63,8 @@ def main() -> None:
         shrunk = fleet.shrink()
         if rank == 0:
             record["passes"].append({"shrink": shrunk, "report": fleet.table_stats()})
+        if not alone:  # the next pass's lookups wait until worker 0 read this pass's report
+            fleet.barrier_worker()
     model.eval()
     with torch.no_grad():  # never-trained ids read zeros and are never counted
         for _ in range(3):

@@ -149,3 +149,22 @@ def test_padding_rows_get_no_gradient_and_eval_creates_nothing():
     assert emb.pop_gradients() == []
     with pytest.raises(RuntimeError, match="not bound"):
         SparseEmbedding(2)(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_lookups_gradient_sums_every_occurrence_as_index_select_does(dtype):
+    """The lookup's own backward (a segment sum, not index_select's sort) gives each unique id
+    the sum of its occurrences' gradients: the same values as index_select's backward (float32
+    through the C kernel, other dtypes through index_add)."""
+    from fleetx.nn.sparse_embedding import _Occurrences
+    rng = np.random.default_rng(0)
+    inverse = rng.integers(0, 50, 3000)
+    rows = torch.from_numpy(rng.standard_normal((50, 16))).to(dtype)
+    upstream = torch.from_numpy(rng.standard_normal((3000, 16))).to(dtype)
+    leaf, ref = rows.clone().requires_grad_(True), rows.clone().requires_grad_(True)
+    out = _Occurrences.apply(leaf, inverse)
+    assert torch.equal(out, ref.index_select(0, torch.from_numpy(inverse)))
+    (out * upstream).sum().backward()
+    (ref.index_select(0, torch.from_numpy(inverse)) * upstream).sum().backward()
+    assert leaf.grad.dtype == dtype
+    torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-6, atol=1e-6)

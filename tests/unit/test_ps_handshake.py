@@ -47,7 +47,16 @@ def test_the_secret_comes_from_the_value_or_the_file(tmp_path):
 def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_SECRET": "s", "FLEETX_PS_MAX_FRAME_MB": "8"})
     assert hs.settings_from_env() == {"secret": "s", "secret_file": None,
-                                      "max_frame_bytes": 8 << 20, "transport": "tcp"}
+                                      "max_frame_bytes": 8 << 20, "transport": "tcp",
+                                      "local_sockets": True}
+
+
+def test_the_local_sockets_variable_takes_0_or_1(monkeypatch):
+    monkeypatch.setattr(env, "environ", {"FLEETX_PS_LOCAL_SOCKETS": "0"})
+    assert hs.settings_from_env()["local_sockets"] is False
+    monkeypatch.setattr(env, "environ", {"FLEETX_PS_LOCAL_SOCKETS": "yes"})
+    with pytest.raises(env.EnvError, match="FLEETX_PS_LOCAL_SOCKETS='yes': expected 1 .* or 0"):
+        hs.settings_from_env()
 
 
 def test_the_transport_variable_takes_only_known_transports(monkeypatch):

@@ -180,6 +180,39 @@ def test_rebuild_indexes_rows_in_place(backend):
         kernels.index_rebuild(np.full(5, kernels.EMPTY, np.uint32), np.zeros(5, np.int64), 5)
 
 
+# -- de-duplication and the finiteness check -------------------------------------------------
+@pytest.mark.parametrize("ids", [
+    np.array([], np.int64), np.array([7], np.int64), np.array([5, 5, 5, 5], np.int64),
+    np.array([2 ** 63 - 1, -2 ** 63, 0, -1, 2 ** 63 - 1, 0], np.int64),
+    np.random.default_rng(1).zipf(1.2, 20_000).astype(np.int64) * -7919,
+], ids=["empty", "one", "all-equal", "extremes", "zipf"])
+def test_unique_inverse_equals_numpy_unique(backend, ids):
+    uniq, inverse = kernels.unique_inverse(ids)
+    want, want_inverse = np.unique(ids, return_inverse=True)
+    assert uniq.tolist() == want.tolist() and inverse.tolist() == want_inverse.tolist()
+    first, first_inverse = kernels.unique_first(ids.reshape(-1, 1) if len(ids) else ids)
+    assert sorted(first.tolist()) == want.tolist() and len(set(first.tolist())) == len(first)
+    assert (first[first_inverse] == ids).all() and first_inverse.shape == ids.shape
+
+
+def test_unique_first_keeps_the_order_of_first_occurrence():
+    require_c_kernels()
+    uniq, inverse = kernels.unique_first(np.array([9, -3, 9, 4, -3, 9], np.int64))
+    assert uniq.tolist() == [9, -3, 4] and inverse.tolist() == [0, 1, 0, 2, 1, 0]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, None])
+@pytest.mark.parametrize("size", [1, 1023, 1024, 5000])
+def test_all_finite_finds_nan_and_inf_anywhere(backend, bad, size):
+    for at in sorted({0, size // 2, size - 1}):
+        values = np.linspace(-3e38, 3e38, size, dtype=np.float32)
+        if bad is not None:
+            values[at] = bad
+        assert kernels.all_finite(values) is (bad is None)
+    assert kernels.all_finite(np.zeros(0, np.float32)) is True
+    assert kernels.all_finite(np.array([[1, np.nan]], np.float64)) is False  # any dtype
+
+
 # -- the backend is named ----------------------------------------------------------------------
 def test_the_backend_is_described(backend):
     if backend == "c":

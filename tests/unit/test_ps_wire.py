@@ -81,6 +81,31 @@ def test_replies_are_received_into_preallocated_targets():
     assert pb.got[0].bufs[0] is target and target.tolist() == [0, 1, 2, 3]
 
 
+def test_a_received_buffer_is_reused_only_once_nothing_holds_it():
+    """Large buffers without a target come from the link's pool: one the owner still holds
+    (the message, a view, a tensor made from it) is never written into by a later frame; once
+    dropped, its memory takes the next frame of its size (no fresh pages per message)."""
+    torch = pytest.importorskip("torch")
+    a, b = pair()
+    big = 1 << 17  # floats: above the pool's lower bound
+
+    def send(value):
+        a.link.send(Message(Kind.PUSH, 1, {}, [np.full(big, value, np.float32)]))
+        b.wait()
+        return b.got.pop()
+
+    first = send(1.0)
+    kept = torch.from_numpy(first.bufs[0][5:])  # a tensor over a view of it
+    where = first.bufs[0].ctypes.data
+    del first
+    second = send(2.0)
+    assert second.bufs[0].ctypes.data != where and float(kept[0]) == 1.0
+    del kept
+    third = send(3.0)  # the first buffer is free again: its memory is reused
+    assert third.bufs[0].ctypes.data == where and float(third.bufs[0][-1]) == 3.0
+    assert float(second.bufs[0][0]) == 2.0
+
+
 def test_unsupported_dtypes_cannot_be_sent():
     a, _ = pair()
     with pytest.raises(ProtocolError, match="dtype object cannot travel"):

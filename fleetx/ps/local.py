@@ -1,0 +1,143 @@
+"""Same-machine links: a Unix-domain socket beside a server's TCP port.
+
+A worker whose server runs on the same machine (the server's endpoint is a loopback address or
+an address of one of this machine's interfaces) connects through a Unix-domain socket instead
+of TCP. The handshake, the frames and every limit are the same; what goes away is the TCP/IP
+processing of every segment on both sides (and the loopback interface's soft interrupts, which
+land on whichever thread happens to run): a megabyte costs about half the CPU it costs over
+loopback TCP (``benchmarks/ps_links.py``). Production jobs that put a server and its trainers on
+one node get the same saving for their local links.
+
+Where: ``<temp dir>/fleetx-ps-<uid>/<port>.sock``. The directory must be a real directory (not
+a link) owned by this user and closed to everyone else (mode 0700; it is created so): other
+users cannot connect at all (TCP loopback is open to every local user) and nobody else can put a
+socket there. A server binds its TCP port first, which no other process can hold at the same
+time, so the socket of a port is always that server's; a file left by a server that died is
+replaced. If the directory is unsafe, the path too long, or the socket cannot be made, the
+server listens on TCP alone and its workers use TCP (they also fall back to TCP whenever the
+socket refuses them). ``FLEETX_PS_LOCAL_SOCKETS=0`` turns the path off (``PSConfig.local``).
+
+Example:
+    >>> path = socket_path(6170)                  # doctest: +SKIP
+    >>> path.endswith("/6170.sock")               # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import stat
+import tempfile
+from typing import Optional
+
+__all__ = ["socket_dir", "socket_path", "listen", "unlink", "is_local_host", "connect_unix"]
+
+log = logging.getLogger("fleetx.ps")
+
+_MAX_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
+
+
+def socket_dir(create: bool = True) -> Optional[str]:
+    """This user's private directory for the sockets, created (mode 0700) when missing; None
+    when it is not safe to use (not a directory, a link, another owner, open to others)."""
+    if not hasattr(socket, "AF_UNIX") or not hasattr(os, "geteuid"):
+        return None
+    path = os.path.join(tempfile.gettempdir(), f"fleetx-ps-{os.geteuid()}")
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+def socket_path(port: int, create: bool = True) -> Optional[str]:
+    """Where the server of TCP port ``port`` on this machine listens locally (None: nowhere
+    safe)."""
+    folder = socket_dir(create)
+    if folder is None:
+        return None
+    path = os.path.join(folder, f"{int(port)}.sock")
+    return path if len(path.encode()) <= _MAX_PATH else None
+
+
+def listen(port: int, backlog: int) -> Optional[socket.socket]:
+    """A non-blocking Unix-domain socket listening for the server of TCP port ``port`` (which
+    the caller has bound already), or None when none can be made (logged)."""
+    path = socket_path(port)
+    if path is None:
+        log.info("port %d: no private folder for a same-machine socket; TCP only", port)
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        unlink(path)  # left by an earlier server of this port: ours now (we hold the port)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        log.info("port %d: cannot listen on %s (%s); TCP only", port, path, e.strerror)
+        return None
+    sock.setblocking(False)
+    return sock
+
+
+def unlink(path: Optional[str]) -> None:
+    """Remove a socket file (nothing if it is gone; never anything but a socket)."""
+    if not path:
+        return
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def is_local_host(host: str) -> bool:
+    """True when ``host`` names this machine: a loopback address, or an address one of its
+    interfaces holds (a socket can be bound to it)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, addr in infos:
+        ip = addr[0].split("%")[0]
+        if ipaddress.ip_address(ip).is_loopback:
+            continue
+        probe = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            probe.bind((addr[0], 0) if family == socket.AF_INET else addr[:1] + (0,) + addr[2:])
+        except OSError:
+            return False
+        finally:
+            probe.close()
+    return bool(infos)
+
+
+def connect_unix(port: int, timeout: float) -> Optional[socket.socket]:
+    """A connected Unix-domain socket to the local server of ``port``, or None when there is
+    none (no socket file, nobody listening, an unsafe folder)."""
+    path = socket_path(port, create=False)
+    if path is None:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(path)
+    except OSError as e:
+        sock.close()
+        if e.errno not in (errno.ENOENT, errno.ECONNREFUSED, errno.EACCES, errno.EAGAIN):
+            log.debug("local socket %s: %s", path, e)
+        return None
+    return sock
