@@ -37,10 +37,11 @@ import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import numpy as np
+import torch
 
 from fleetx.ps.api import PSConfigError
 
-__all__ = ["PrefetchQueue", "PrefetchLoader", "table_ids"]
+__all__ = ["PrefetchQueue", "PrefetchLoader", "prefetch_groups", "table_ids"]
 
 log = logging.getLogger("fleetx.ps")
 
@@ -205,6 +206,27 @@ def table_ids(layout: Any, ids: Any) -> dict[str, np.ndarray]:
         arrays = value if isinstance(value, (list, tuple)) else [value]
         flat = [_flat_ids(a) for a in arrays]
         out[name] = flat[0] if len(flat) == 1 else np.concatenate(flat)
+    return out
+
+
+def prefetch_groups(modules: Mapping[str, Any], ids: Mapping[str, np.ndarray]) -> dict:
+    """``{create: {table: ids}}``: each table's request made as its lookup will be made.
+
+    A table's forward creates rows (and counts sightings) when its module trains with autograd
+    on (``module.training and torch.is_grad_enabled()``, read now: a loader one ahead runs
+    inside the loop's own mode), so an evaluation loop's prefetch neither creates rows nor counts
+    sightings. A training request for a table with an admission entry is not sent: a prefetch
+    that its forward did not match would count the same sighting a second time, so such a table
+    is pulled by its forward as without prefetch.
+    """
+    grad = torch.is_grad_enabled()
+    out: dict[bool, dict[str, np.ndarray]] = {}
+    for name, flat in ids.items():
+        module = modules[name]
+        create = bool(module.training and grad)
+        if create and getattr(module, "entry", None) is not None:
+            continue
+        out.setdefault(create, {})[name] = flat
     return out
 
 

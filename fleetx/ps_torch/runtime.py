@@ -47,7 +47,7 @@ from fleetx.ps_torch.heter import attach, detach
 from fleetx.ps_torch.heter_worker import HeterWorker, heter_device
 from fleetx.ps_torch.inference import NO_STEP, InferenceSession
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
-from fleetx.ps_torch.prefetch import PrefetchLoader, table_ids
+from fleetx.ps_torch.prefetch import PrefetchLoader, prefetch_groups, table_ids
 from fleetx.ps_torch.progress import CountedModel, Progress
 from fleetx.ps.server import run_server
 from fleetx.ps.shard import check_growth
@@ -134,8 +134,8 @@ class _RemoteSession:
         if self.heter is not None:  # after the servers' round: a stalled peer is named there
             self.heter.step()
 
-    def prefetch(self, ids: dict, after_step: bool) -> None:
-        self.backend.prefetch(ids, after_step=after_step)
+    def prefetch(self, ids: dict, after_step: bool, create: bool = True) -> None:
+        self.backend.prefetch(ids, create=create, after_step=after_step)
 
     def set_lr(self, lr: float, tables: list) -> None:
         self.comm.set_lr(lr, tables)
@@ -412,8 +412,11 @@ class PSRuntime(TableCalls):
         if self._session is None and self.config is None:
             return  # a job without servers has its rows at hand
         session = self._started("fleet.prefetch")
-        if hasattr(session, "prefetch"):
-            session.prefetch(table_ids(self._layout("prefetch"), ids), after_step)
+        if not hasattr(session, "prefetch"):
+            return
+        layout = self._layout("prefetch")
+        for create, group in prefetch_groups(layout.sparse, table_ids(layout, ids)).items():
+            session.prefetch(group, after_step, create)
 
     def barrier(self, name: str = "") -> None:
         """Wait for every worker that has not stopped (through server 0)."""

@@ -214,3 +214,76 @@ def test_flat_dense_values_are_the_model_and_new_storage_is_noticed():
     strided = np.full(2 * len(again), 4.0, np.float32)[::2]
     layout.load_dense({name: strided}, adopt=True)    # not contiguous: copied into the model
     assert not np.shares_memory(first.detach().numpy(), strided) and float(first[0, 0]) == 4.0
+
+
+# -- requests made as their lookups will be: evaluation, admission tables ------------------------
+from fleetx.ps import kernels  # noqa: E402
+from fleetx.ps.api import CountFilterEntry, RuleConfig, SparseTableSpec  # noqa: E402
+from fleetx.ps.client import PullResult, SparseRows  # noqa: E402
+from fleetx.ps.rules import make_rule  # noqa: E402
+from fleetx.ps.table import SparseTable  # noqa: E402
+from fleetx.ps_torch.prefetch import prefetch_groups  # noqa: E402
+
+
+class TableComm:
+    """A communicator over one in-process server table (what RemoteSparseBackend calls)."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def pull_sparse(self, ids, create=True):
+        out = {}
+        for name, flat in ids.items():
+            uniq, inv = kernels.unique_inverse(flat)
+            out[name] = SparseRows(uniq, self.table.pull(uniq, create), inv, np.shape(flat))
+        return Done(PullResult(out, {}))
+
+
+class Done:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self, timeout=None):
+        return self.result
+
+    def done(self):
+        return True
+
+
+def admission_table(n=2):
+    spec = SparseTableSpec("t", 4, RuleConfig("sgd"), entry=CountFilterEntry(n))
+    return SparseTable(spec, make_rule(spec.rule))
+
+
+def test_requests_are_made_as_the_lookups_will_be_and_admission_tables_pull_on_demand():
+    plain, gated = SparseEmbedding(4), SparseEmbedding(4, entry=CountFilterEntry(2))
+    modules = {"plain": plain, "gated": gated}
+    ids = {"plain": np.array([1, 2]), "gated": np.array([3])}
+    assert prefetch_groups(modules, ids) == {True: {"plain": ids["plain"]}}
+    with torch.no_grad():
+        assert list(prefetch_groups(modules, ids)) == [False]
+        assert sorted(prefetch_groups(modules, ids)[False]) == ["gated", "plain"]
+    plain.eval(), gated.eval()
+    assert sorted(prefetch_groups(modules, ids)[False]) == ["gated", "plain"]
+
+
+def test_an_evaluation_loop_with_prefetch_counts_no_sighting_and_creates_no_row():
+    table = admission_table()
+    backend = RemoteSparseBackend(TableComm(table), create=True)   # a training worker's backend
+    emb = SparseEmbedding(4, entry=CountFilterEntry(2)).eval()
+    for b in (np.array([7, 8]), np.array([7, 9])):
+        for create, group in prefetch_groups({"t": emb}, {"t": b}).items():
+            backend.prefetch(group, create=create)
+        backend.lookup("t", b, create=False)                        # the evaluation forward
+    assert backend.prefetched.hits == 2
+    assert table.admission.counters["sighted"] == 0 and len(table) == 0
+
+
+def test_a_training_batch_of_an_admission_table_counts_each_sighting_once():
+    table = admission_table()
+    backend = RemoteSparseBackend(TableComm(table), create=True)
+    emb = SparseEmbedding(4, entry=CountFilterEntry(2))
+    for create, group in prefetch_groups({"t": emb}, {"t": np.array([1, 2])}).items():
+        backend.prefetch(group, create=create)
+    backend.lookup("t", np.array([2, 1]), create=True)   # another order: a miss, pulled anew
+    assert table.admission.counters["sighted"] == 2       # ids 1 and 2 once each, not twice
