@@ -44,16 +44,22 @@ def export(session: Any, layout: ModelLayout, model: torch.nn.Module, dirname: s
     """
     writer = SaveWriter(dirname)
     comm = getattr(session, "comm", None)
+    own = None
     if comm is not None:  # servers write their shards' weights
         comm.flush()
         _, files = comm.client.save(writer.dirname, writer.save_id, "export").wait()
         writer.add(files)
         names = [t.name for t in layout.tables.dense]
-        if names:
+        if names:  # the servers' dense weights are the model's; this worker's stay its own
+            own = {n: np.array(v, copy=True) for n, v in layout.dense_values().items()}
             layout.load_dense(comm.client.pull(dense=names).wait().dense)
     else:
         checkpoint.save_server(writer, 0, 1, 1, session.backend.tables, {}, "export")
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    if own is not None:
+        # A GEO worker's local weights differ from the servers' between exchanges, and its
+        # next delta is measured from them: an export must not change them.
+        layout.load_dense(own)
     paths = {id(m): p for p, m in model.named_modules()}
     described = {}
     for name, m in layout.sparse.items():
