@@ -22,6 +22,8 @@ import torch
 __all__ = ["LossScaler"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+# gradient dtypes torch's fused unscale-and-check kernel takes with a float32 inverse scale
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class LossScaler:
@@ -67,18 +69,31 @@ class LossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return False
-        dense = [g for g in grads if not g.is_sparse]
-        if dense:
-            torch._foreach_mul_(dense, 1.0 / self.scale)
-        values = list(dense)
+        flags = []
+        groups: dict = {}
         for g in grads:
-            if g.is_sparse:
-                g.mul_(1.0 / self.scale)
-                values.append(g.coalesce().values())
-        # One reduction per tensor, then a single host sync for the whole model.
-        device = values[0].device
-        finite = torch.stack([torch.isfinite(v).all().to(device) for v in values])
-        return not bool(finite.all())
+            groups.setdefault((g.device, g.dtype, g.is_sparse), []).append(g)
+        for (device, dtype, sparse), group in groups.items():
+            if not sparse and dtype in _FUSED_DTYPES:
+                # GradScaler's kernel: unscale and look for inf/nan in one pass over the whole
+                # group (one launch instead of several per tensor; on a GPU those launches
+                # cost more than the arithmetic).
+                found = torch.zeros(1, dtype=torch.float32, device=device)
+                inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+                flags.append(found)
+                continue
+            if not sparse:  # float64: the inverse scale in double, not float32
+                torch._foreach_mul_(group, 1.0 / self.scale)
+            values = []
+            for g in group:
+                if sparse:
+                    g.mul_(1.0 / self.scale)
+                values.append(g.coalesce().values() if sparse else g)
+            flags.extend((~torch.isfinite(v).all()).float().reshape(1) for v in values)
+        # A single host sync for the whole model.
+        first = flags[0].device
+        return bool(torch.cat([f.to(first) for f in flags]).any())
 
     def update(self, found_inf: bool) -> None:
         """Record one step (skipped when ``found_inf``) and adapt the scale."""
