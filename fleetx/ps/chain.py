@@ -2,10 +2,10 @@
 the deltas after it) checked to be one chain in the order it was written.
 
 A save's kind is its *mode*, written in every ``meta.json`` and in the manifest's ``info``:
-0 (everything: rows with optimizer state and statistics), 1 (a base: weights), 2 (a delta:
-what changed since the save before it, which it names with the base of its chain), or
-``"export"`` (weights for serving; not loadable as a checkpoint). Saves of format 2 (before
-modes existed) are full saves, mode 0.
+0 (everything: rows with optimizer state and statistics), 1 (a base: weights and statistics),
+2 (a delta: what changed since the save before it, which it names with the base of its
+chain), or ``"export"`` (weights for serving; not loadable as a checkpoint). Saves of format 2
+(before modes existed) are full saves, mode 0.
 
 :func:`open_chain` refuses, naming the manifest files involved: a delta given first (its base
 is missing), a delta of another base than the first save's (another chain), a delta that does

@@ -114,6 +114,10 @@ class Admission:
         _, first = self.index.insert(ids)
         self._cols.array[first:len(self)] = cols[:len(ids)]
 
+    def clear(self) -> None:
+        """Forget every pending id (a saved set replaces them)."""
+        self._remove(self.index.keys.copy())
+
     def _remove(self, ids: np.ndarray) -> None:
         _, src, dst = self.index.remove(ids)
         cols = self._cols.array
@@ -166,6 +170,18 @@ class RowStats:
             cols[:, :2] *= np.float32(a.show_click_decay_rate)
             drop |= self.score(cols[:, 0], cols[:, 1]) < np.float32(a.delete_threshold)
         return drop
+
+    def decay(self, rows: int, passes: int) -> None:
+        """Replay the show/click decay of ``passes`` shrinks on the first ``rows`` rows, with
+        the float32 operations :meth:`shrink` makes (so the values are the same bits)."""
+        if not self.show_click:
+            return
+        cols, rate = self.cols.array[:rows, :2], np.float32(self.accessor.show_click_decay_rate)
+        for _ in range(passes):
+            before = cols.copy()
+            cols *= rate
+            if np.array_equal(before, cols):  # a fixed point (zeros): later passes change nothing
+                break
 
     def score(self, show: np.ndarray, click: np.ndarray) -> np.ndarray:
         """``(show - click) * nonclk_coeff + click * click_coeff`` in float32."""
