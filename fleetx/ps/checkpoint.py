@@ -59,12 +59,25 @@ __all__ = ["FORMAT", "Chain", "Loaded", "save_server", "load_server", "save_dens
 
 
 class Chain(NamedTuple):
-    """The chain of saves a server continues: its base save, the last save, and whether the
-    base holds optimizer state (mode 0), which its deltas then carry too."""
+    """The chain of saves a server continues: its base save, the last save, whether the base
+    holds optimizer state (mode 0), which its deltas then carry too, and the sparse tables of
+    the chain that were not loaded (``init_server(var_names=...)``)."""
 
     base: str
     prev: str
     state: bool
+    skipped: tuple = ()
+
+    def delta_refusal(self) -> Optional[str]:
+        """Why a delta cannot continue this chain (None: it can). A table of the chain that
+        was not loaded holds other rows than the chain says: a delta (changed rows only) would
+        claim the chain's rows for it, so only a full save can start a chain again."""
+        if not self.skipped:
+            return None
+        return (f"a delta (mode 2) cannot continue the chain of base save {self.base}: its "
+                f"table(s) {', '.join(map(repr, self.skipped))} were not loaded (init_server "
+                "with var_names), so their rows here are not the chain's; make a full save "
+                "(mode 0 or 1) first")
 
 
 class Loaded(NamedTuple):
@@ -350,8 +363,10 @@ def load_server(dirnames: Union[str, Sequence[str]], index: int, num_servers: in
         if parts:
             _load_dense_slice(saves[-1].ckpt, name, dense[name], parts)
             loaded[name] = dense[name].numel
-    last = saves[-1]
-    return Loaded(loaded, Chain(saves[0].save_id, last.save_id, saves[0].mode == 0))
+    skipped = sorted(n for n in set(sparse) - names
+                     if any(n in m["tables"] for save in saves for _, m in save.servers))
+    return Loaded(loaded, Chain(saves[0].save_id, saves[-1].save_id, saves[0].mode == 0,
+                                tuple(skipped)))
 
 
 def _selected(tables, sparse, dense, base: Save) -> set:

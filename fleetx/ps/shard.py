@@ -174,12 +174,15 @@ class Shard:
         rows per table, and the chain a delta continues (``base``, ``prev``).
 
         Raises:
-            RequestError: a delta without a base save or load before it.
+            RequestError: a delta without a base save or load before it, or after a load of
+                some of the chain's tables only.
             CheckpointError: a table holds NaN or inf, or a file cannot be written.
         """
         if mode == 2 and self.chain is None:
             raise RequestError("SAVE: a delta (mode 2) needs a base: make a full save (mode 0 "
                                "or 1) first, or start the servers from one (init_server)")
+        if mode == 2 and self.chain.delta_refusal():
+            raise RequestError(f"SAVE: {self.chain.delta_refusal()}")
         chain = self.chain
         rows = save_server(writer, self.index, self.config.num_servers, self.config.shard_num,
                            self.sparse, self.dense, mode, chain)
