@@ -4,9 +4,10 @@ Two pieces a :class:`~fleetx.ps.table.SparseTable` holds when its spec asks for 
 
 * :class:`Admission` (a :class:`~fleetx.ps.api.CountFilterEntry` or
   :class:`~fleetx.ps.api.ProbabilityEntry`): the sighting counts of ids that have no row yet.
-  A training pull of such an id counts one sighting; once the id is admitted (its count reached
-  ``count_filter``, or the draw of a sighting fell under ``probability``), the next update
-  (push) of the id creates its row. Pending ids live in an index of their own with two float32
+  A training pull of such an id counts one sighting (in sync mode the server counts each
+  round's merged update instead, :class:`~fleetx.ps.shard.Shard`); once the id is admitted
+  (its count reached ``count_filter``, or the draw of a sighting fell under ``probability``),
+  the next update (push) of the id creates its row. Pending ids live in an index of their own with two float32
   columns (count, pass of the last sighting): about 22 bytes each, at most ``max_pending`` of
   them.
 * :class:`RowStats` (a table with an :class:`~fleetx.ps.api.AccessorConfig`): per row, the pass
