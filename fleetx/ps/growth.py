@@ -7,9 +7,9 @@ Two pieces a :class:`~fleetx.ps.table.SparseTable` holds when its spec asks for 
   A training pull of such an id counts one sighting (in sync mode the server counts each
   round's merged update instead, :class:`~fleetx.ps.shard.Shard`); once the id is admitted
   (its count reached ``count_filter``, or the draw of a sighting fell under ``probability``),
-  the next update (push) of the id creates its row. Pending ids live in an index of their own with two float32
-  columns (count, pass of the last sighting): about 22 bytes each, at most ``max_pending`` of
-  them.
+  the next update (push) of the id creates its row. Pending ids live in an index of their own
+  with two float32 columns (count, pass of the last sighting): about 22 bytes each, at most
+  ``max_pending`` of them.
 * :class:`RowStats` (a table with an :class:`~fleetx.ps.api.AccessorConfig`): per row, the pass
   in which an update last touched it, and for :class:`~fleetx.ps.api.ShowClickEntry` tables
   the show and click sums. :meth:`RowStats.shrink` applies Paddle's
