@@ -5,7 +5,10 @@ row layouts of ``fleetx/ps/_kernels.c``), one fresh process fills one ``SparseTa
 server does (rows created by pulls of new ids, 65,536 per request, from the default capacity:
 every growth included) and reports:
 
-  nbytes       what the table holds (``SparseTable.memory()``: values, index slots and keys)
+  raw          a row's values: weights and optimizer state (``4 * width``; 64, 128, 196 bytes
+               at dim 16), the ``raw B/row`` of ``fleet.table_stats()``
+  nbytes       what the table holds (``SparseTable.memory()``: values, index slots and keys;
+               docs/ps_tables.md §4 gives it per rule)
   rss          the resident memory the process gained (``/proc/self/statm``) while filling it
   rss_trimmed  the same once the C allocator gave its free memory back (``malloc_trim(0)``):
                rss also counts the allocator's cache of freed request buffers (tens of MB,

@@ -120,7 +120,8 @@ def bytes_per_row(rule: str, rows: int, dim: int = DIM) -> dict:
     resident memory the process gained per row once the allocator returned its free memory
     (``rss_trimmed``; at small row counts page granularity makes it noisy, so it is never taken
     below the table's own accounting, ``nbytes``), ``peak`` the peak resident memory per row
-    while filling it, ``raw`` a row's weights, rule state and int64 key."""
+    while filling it, ``raw`` a row's values (weights and rule state, as ``raw B/row`` of the
+    memory report; the key and index slots are in ``nbytes``)."""
     out = subprocess.run([sys.executable, str(HERE / "ps_memory.py"), "--case", rule,
                           "--rows", str(rows), "--dim", str(dim)], capture_output=True,
                          text=True, check=False)
@@ -129,7 +130,7 @@ def bytes_per_row(rule: str, rows: int, dim: int = DIM) -> dict:
     m = json.loads(out.stdout.strip().splitlines()[-1])
     held = max(m["rss_trimmed_per_row"], m["nbytes_per_row"])
     return {"rows": rows, "held": held, "peak": m["peak_rss_per_row"],
-            "nbytes": m["nbytes_per_row"], "raw": m["raw_bytes_per_row"] + 8}
+            "nbytes": m["nbytes_per_row"], "raw": m["raw_bytes_per_row"]}
 
 
 def base_bytes() -> int:

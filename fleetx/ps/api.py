@@ -311,7 +311,8 @@ class CountFilterEntry:
     times (Paddle's ``paddle.distributed.CountFilterEntry``).
 
     Until then a lookup returns zeros and its gradient is dropped. Each training pull request
-    that holds the id counts once; evaluation lookups never count. The counts of ids waiting
+    that holds the id counts once (in sync mode: each step whose update holds it, however many
+    workers saw it); evaluation lookups never count. The counts of ids waiting
     for admission are kept exactly, for at most ``max_pending`` ids per server (about 22 bytes
     each); past that, new ids are not counted until a shrink forgets ids unseen for a pass.
 

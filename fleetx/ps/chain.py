@@ -2,10 +2,16 @@
 the deltas after it) checked to be one chain in the order it was written.
 
 A save's kind is its *mode*, written in every ``meta.json`` and in the manifest's ``info``:
-0 (everything: rows with optimizer state and statistics), 1 (a base: weights), 2 (a delta:
-what changed since the save before it, which it names with the base of its chain), or
-``"export"`` (weights for serving; not loadable as a checkpoint). Saves of format 2 (before
-modes existed) are full saves, mode 0.
+0 (everything: rows with optimizer state and statistics), 1 (a base: weights and statistics),
+2 (a delta: what changed since the save before it, which it names with the base of its
+chain), or ``"export"`` (weights for serving; not loadable as a checkpoint). Saves of format 2
+(before modes existed) are full saves, mode 0.
+
+Every ``meta.json`` field a load trusts is checked for its type before use (a hostile save
+cannot make a load allocate or loop for what it claims): format, mode and server numbers are
+ints (not floats or booleans), ``1 <= num_servers <= `` the server folders present,
+``num_servers <= shard_num <= MAX_SHARD_NUM``, a delta's base and previous save are save ids,
+table names follow the table-name rule.
 
 :func:`open_chain` refuses, naming the manifest files involved: a delta given first (its base
 is missing), a delta of another base than the first save's (another chain), a delta that does
@@ -20,6 +26,7 @@ import re
 from typing import Any, NamedTuple, Sequence, Union
 
 from fleetx.checkpoint import Checkpoint, CheckpointError
+from fleetx.checkpoint.api import check_save_id
 
 __all__ = ["FORMAT", "READABLE", "Save", "open_chain", "read_meta", "bad_file", "saved_servers"]
 
@@ -27,7 +34,10 @@ __all__ = ["FORMAT", "READABLE", "Save", "open_chain", "read_meta", "bad_file", 
 FORMAT = 3
 READABLE = (2, 3)
 MODES = (0, 1, 2, "export")
-_FOLDER = re.compile(r"(server-(\d+)-of-(\d+))/meta\.json\Z")
+_FOLDER = re.compile(r"(server-(\d{1,9})-of-(\d{1,9}))/meta\.json\Z")
+#: the largest shard_num a save may claim (ids map to servers as shard * num_servers // shard_num
+#: in int64)
+MAX_SHARD_NUM = 1 << 31
 
 
 class Save(NamedTuple):
@@ -58,31 +68,60 @@ def read_meta(ckpt: Checkpoint, rel: str) -> dict:
     """
     meta = ckpt.read_json(rel)
     fmt = meta.get("format") if isinstance(meta, dict) else None
-    if fmt not in READABLE:
+    if type(fmt) is not int or fmt not in READABLE:
         raise bad_file(ckpt, rel, f"checkpoint format {fmt!r}, expected one of {READABLE}")
     if meta.get("save_id") != ckpt.save_id:
         raise bad_file(ckpt, rel, f"belongs to save {meta.get('save_id')!r}, but the manifest "
                        f"is of save {ckpt.save_id!r}: files of different saves are mixed")
     if not isinstance(meta.get("tables"), dict):
         raise bad_file(ckpt, rel, "no 'tables' object")
-    if meta.get("mode", 0) not in MODES or isinstance(meta.get("mode"), bool):
-        raise bad_file(ckpt, rel, f"unknown save mode {meta.get('mode')!r}")
+    mode = meta.get("mode", 0)
+    if not (mode == "export" or type(mode) is int and mode in MODES):
+        raise bad_file(ckpt, rel, f"unknown save mode {mode!r}: expected one of {MODES}")
+    for key in ("base_save_id", "prev_save_id"):
+        if key in meta and not (mode == 2 and _is_save_id(meta[key])):
+            raise bad_file(ckpt, rel, f"{key}={meta[key]!r}: expected a save id (a string) "
+                           "in a delta (mode 2) only")
+    for name in meta["tables"]:  # the rule of SparseTableSpec / DenseTableSpec names
+        if not (0 < len(name) <= 200 and name.isprintable() and "/" not in name):
+            raise bad_file(ckpt, rel, f"bad table name {name!r}: expected 1-200 printable "
+                           "characters without '/'")
     return meta
+
+
+def _is_save_id(v: Any) -> bool:
+    try:
+        check_save_id(v)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _check_server(ckpt: Checkpoint, rel: str, meta: dict, folder: re.Match, present: int) -> None:
+    """``meta``'s server, num_servers and shard_num: ints that match its folder's name, with
+    ``1 <= num_servers <= present`` (the server folders the save holds), so that nothing is
+    sized by what a file claims."""
+    index, n, shards = meta.get("server"), meta.get("num_servers"), meta.get("shard_num")
+    what = f"says server {index!r} of {n!r} (shard_num {shards!r}) but lies in {folder[1]}"
+    if not all(type(v) is int for v in (index, n, shards)):
+        raise bad_file(ckpt, rel, f"{what}: server, num_servers and shard_num must be ints")
+    if (index, n) != (int(folder[2]), int(folder[3])):
+        raise bad_file(ckpt, rel, what)
+    if not 1 <= n <= present:
+        raise CheckpointError(f"{ckpt.folder}: incomplete checkpoint: {rel} claims {n} servers, "
+                              f"but the save holds {present} server folder(s)", ckpt.folder)
+    if not 0 <= index < n or not n <= shards <= MAX_SHARD_NUM:
+        raise bad_file(ckpt, rel, f"{what}: expected 0 <= server < num_servers <= shard_num <= "
+                       f"{MAX_SHARD_NUM}")
 
 
 def saved_servers(ckpt: Checkpoint) -> list[tuple[str, dict]]:
     """``(folder, meta)`` of every saved server, checked to be one complete set."""
     found = []
-    for rel in ckpt.names("server-"):
-        m = _FOLDER.match(rel)
-        if not m:
-            continue
+    folders = [(rel, m) for rel in ckpt.names("server-") for m in [_FOLDER.match(rel)] if m]
+    for rel, m in folders:
         meta = read_meta(ckpt, rel)
-        if (meta.get("server"), meta.get("num_servers")) != (int(m[2]), int(m[3])) or \
-                not isinstance(meta.get("shard_num"), int) or meta["shard_num"] < 1:
-            raise bad_file(ckpt, rel, f"says server {meta.get('server')} of "
-                           f"{meta.get('num_servers')} (shard_num {meta.get('shard_num')!r}) "
-                           f"but lies in {m[1]}")
+        _check_server(ckpt, rel, meta, m, len(folders))
         found.append((m[1], meta))
     if not found:
         raise CheckpointError(f"no parameter-server checkpoint in {ckpt.dirname} (its save has "

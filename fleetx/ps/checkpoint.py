@@ -13,16 +13,20 @@ hashes and a save id, committed last); this module decides what the files hold, 
       sparse-<table>.keys.npy          int64 ids, in row order
       sparse-<table>.rows.npy          float32 (rows, width): weights, then (mode 0, or a delta
                                        of a mode 0 base) the rule's state
-      sparse-<table>.stats.npy         mode 0, tables with an accessor: [show, click,] passes
-                                       since the last update, per row
-      sparse-<table>.pending.keys.npy  mode 0, tables with an admission entry: ids waiting for
-      sparse-<table>.pending.npy       admission, and (sightings, passes since the last one)
+      sparse-<table>.stats.npy         every mode, tables with an accessor: [show, click,]
+                                       passes since the last update, per row saved
+      sparse-<table>.pending.keys.npy  with the state (mode 0, and its deltas), tables with an
+      sparse-<table>.pending.npy       admission entry: every id waiting for admission, and
+                                       (sightings, passes since the last one)
       sparse-<table>.deleted.npy       mode 2: ids removed (by a shrink) since the save before
       dense-<table>.npy                float32: this server's slice (with its state in mode 0)
 
 Modes (``save_persistables(dirname, mode)``): 0 saves everything a resumed job needs; 1 a base
-(weights); 2 a delta: only the rows changed since the previous save and the ids removed since
-(with the state when the chain's base is a mode 0 save); ``"export"`` the weights for serving
+(weights and statistics); 2 a delta: only the rows changed since the previous save (with their
+statistics) and the ids removed since (with the state when the chain's base is a mode 0 save);
+loading a delta replays on the rows it does not hold the show/click decay of the shrinks since
+the previous save (its ``passes`` minus the previous one's), so that a resumed job's shrinks
+remove what the uninterrupted job's would; ``"export"`` the weights for serving
 (:mod:`fleetx.ps_torch.export` adds the dense ``state_dict``).
 
 A save refuses tables holding NaN or inf (the previous checkpoint stays). A load refuses, with a
@@ -55,12 +59,25 @@ __all__ = ["FORMAT", "Chain", "Loaded", "save_server", "load_server", "save_dens
 
 
 class Chain(NamedTuple):
-    """The chain of saves a server continues: its base save, the last save, and whether the
-    base holds optimizer state (mode 0), which its deltas then carry too."""
+    """The chain of saves a server continues: its base save, the last save, whether the base
+    holds optimizer state (mode 0), which its deltas then carry too, and the sparse tables of
+    the chain that were not loaded (``init_server(var_names=...)``)."""
 
     base: str
     prev: str
     state: bool
+    skipped: tuple = ()
+
+    def delta_refusal(self) -> Optional[str]:
+        """Why a delta cannot continue this chain (None: it can). A table of the chain that
+        was not loaded holds other rows than the chain says: a delta (changed rows only) would
+        claim the chain's rows for it, so only a full save can start a chain again."""
+        if not self.skipped:
+            return None
+        return (f"a delta (mode 2) cannot continue the chain of base save {self.base}: its "
+                f"table(s) {', '.join(map(repr, self.skipped))} were not loaded (init_server "
+                "with var_names), so their rows here are not the chain's; make a full save "
+                "(mode 0 or 1) first")
 
 
 class Loaded(NamedTuple):
@@ -69,6 +86,10 @@ class Loaded(NamedTuple):
 
     rows: dict
     chain: Chain
+
+
+#: the most shrinks a delta may follow its previous save by (its show/click decay is replayed)
+MAX_PASSES_BETWEEN = 1_000_000
 
 
 def server_folder(index: int, num_servers: int) -> str:
@@ -154,10 +175,11 @@ def _save_sparse(writer: SaveWriter, stem: str, t: SparseTable, mode: Any,
     writer.write_array(f"{stem}.rows.npy", values)
     info = {"kind": "sparse", "dim": t.dim, "width": values.shape[1], "rule": t.rule.name,
             "rows": len(keys), "passes": t.passes}
-    if mode == 0 and t.stats is not None:
-        writer.write_array(f"{stem}.stats.npy", t.stats.state(np.arange(n), t.passes))
+    if t.stats is not None and mode != "export":  # a resumed shrink needs them in every mode
+        chosen = rows if mode == 2 else np.arange(n)
+        writer.write_array(f"{stem}.stats.npy", t.stats.state(chosen, t.passes))
         info["stats"] = t.stats.width
-    if mode == 0 and t.admission is not None:
+    if with_state and t.admission is not None:  # all of them: a delta's replace the base's
         ids, pending = t.admission.state()
         pending[:, 1] = t.passes - pending[:, 1]  # portable: passes since the last sighting
         writer.write_array(f"{stem}.pending.keys.npy", ids)
@@ -249,9 +271,20 @@ def _load_sparse(save: Save, name: str, t: SparseTable, mine) -> int:
     """Replay one save of one sparse table on ``t`` (its deletions, then its rows); returns the
     rows written. ``mine(keys)``: the mask of keys this server owns."""
     n, ckpt = 0, save.ckpt
-    for folder, meta in save.servers:
-        if name not in meta["tables"]:
-            continue
+    parts = [(folder, meta) for folder, meta in save.servers if name in meta["tables"]]
+    passes = max(_count(ckpt, folder, meta["tables"][name], "passes", 0)
+                 for folder, meta in parts)
+    if save.mode == 2 and t.stats is not None:  # the shrinks between the saves decayed every row
+        if passes - t.passes > MAX_PASSES_BETWEEN:
+            raise _bad(ckpt, f"{parts[0][0]}/meta.json", f"table {name!r}: {passes} passes, "
+                       f"{passes - t.passes} after the save before it (at most "
+                       f"{MAX_PASSES_BETWEEN} between two saves)")
+        t.stats.decay(len(t), passes - t.passes)
+    t.passes = max(t.passes, passes)  # before the rows: rows created now are of this pass
+    if t.admission is not None and save.mode == 2 and \
+            any("pending" in meta["tables"][name] for _, meta in parts):
+        t.admission.clear()  # admitted or forgotten since the save before
+    for folder, meta in parts:
         stem = f"{folder}/sparse-{name}"
         info = meta["tables"][name]
         if save.mode == 2:
@@ -265,19 +298,20 @@ def _load_sparse(save: Save, name: str, t: SparseTable, mine) -> int:
         else:  # another rule's state means nothing here: keep the weights only
             t.assign(keys[own], rows[own][:, :t.dim])
             placed = t.index.find(keys[own])
-        t.passes = max(t.passes, int(info.get("passes", 0)))
         if "stats" in info and t.stats is not None and info["stats"] == t.stats.width:
             stats = _read_extra(ckpt, f"{stem}.stats.npy", len(keys), info["stats"], np.float32)
             t.stats.restore(placed, stats[own], t.passes)
+        elif t.stats is not None:  # a save without statistics: count its rows as seen now
+            t.stats.touched(placed, t.passes)
         if "pending" in info and t.admission is not None:
             _load_pending(ckpt, stem, _count(ckpt, folder, info, "pending"), t, mine)
         n += int(own.sum())
     return n
 
 
-def _count(ckpt: Checkpoint, folder: str, info: dict, key: str) -> int:
-    v = info.get(key)
-    if not isinstance(v, int) or v < 0:
+def _count(ckpt: Checkpoint, folder: str, info: dict, key: str, default: Any = None) -> int:
+    v = info.get(key, default)
+    if type(v) is not int or v < 0:
         raise _bad(ckpt, f"{folder}/meta.json", f"malformed {key!r} count {v!r}")
     return v
 
@@ -329,8 +363,10 @@ def load_server(dirnames: Union[str, Sequence[str]], index: int, num_servers: in
         if parts:
             _load_dense_slice(saves[-1].ckpt, name, dense[name], parts)
             loaded[name] = dense[name].numel
-    last = saves[-1]
-    return Loaded(loaded, Chain(saves[0].save_id, last.save_id, saves[0].mode == 0))
+    skipped = sorted(n for n in set(sparse) - names
+                     if any(n in m["tables"] for save in saves for _, m in save.servers))
+    return Loaded(loaded, Chain(saves[0].save_id, saves[-1].save_id, saves[0].mode == 0,
+                                tuple(skipped)))
 
 
 def _selected(tables, sparse, dense, base: Save) -> set:

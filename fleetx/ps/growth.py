@@ -4,11 +4,12 @@ Two pieces a :class:`~fleetx.ps.table.SparseTable` holds when its spec asks for 
 
 * :class:`Admission` (a :class:`~fleetx.ps.api.CountFilterEntry` or
   :class:`~fleetx.ps.api.ProbabilityEntry`): the sighting counts of ids that have no row yet.
-  A training pull of such an id counts one sighting; once the id is admitted (its count reached
-  ``count_filter``, or the draw of a sighting fell under ``probability``), the next update
-  (push) of the id creates its row. Pending ids live in an index of their own with two float32
-  columns (count, pass of the last sighting): about 22 bytes each, at most ``max_pending`` of
-  them.
+  A training pull of such an id counts one sighting (in sync mode the server counts each
+  round's merged update instead, :class:`~fleetx.ps.shard.Shard`); once the id is admitted
+  (its count reached ``count_filter``, or the draw of a sighting fell under ``probability``),
+  the next update (push) of the id creates its row. Pending ids live in an index of their own
+  with two float32 columns (count, pass of the last sighting): about 22 bytes each, at most
+  ``max_pending`` of them.
 * :class:`RowStats` (a table with an :class:`~fleetx.ps.api.AccessorConfig`): per row, the pass
   in which an update last touched it, and for :class:`~fleetx.ps.api.ShowClickEntry` tables
   the show and click sums. :meth:`RowStats.shrink` applies Paddle's
@@ -114,6 +115,10 @@ class Admission:
         _, first = self.index.insert(ids)
         self._cols.array[first:len(self)] = cols[:len(ids)]
 
+    def clear(self) -> None:
+        """Forget every pending id (a saved set replaces them)."""
+        self._remove(self.index.keys.copy())
+
     def _remove(self, ids: np.ndarray) -> None:
         _, src, dst = self.index.remove(ids)
         cols = self._cols.array
@@ -166,6 +171,18 @@ class RowStats:
             cols[:, :2] *= np.float32(a.show_click_decay_rate)
             drop |= self.score(cols[:, 0], cols[:, 1]) < np.float32(a.delete_threshold)
         return drop
+
+    def decay(self, rows: int, passes: int) -> None:
+        """Replay the show/click decay of ``passes`` shrinks on the first ``rows`` rows, with
+        the float32 operations :meth:`shrink` makes (so the values are the same bits)."""
+        if not self.show_click:
+            return
+        cols, rate = self.cols.array[:rows, :2], np.float32(self.accessor.show_click_decay_rate)
+        for _ in range(passes):
+            before = cols.copy()
+            cols *= rate
+            if np.array_equal(before, cols):  # a fixed point (zeros): later passes change nothing
+                break
 
     def score(self, show: np.ndarray, click: np.ndarray) -> np.ndarray:
         """``(show - click) * nonclk_coeff + click * click_coeff`` in float32."""

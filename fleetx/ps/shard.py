@@ -77,8 +77,22 @@ class Shard:
             RequestError: a malformed request, or new rows beyond ``max_rows``.
         """
         sparse, dense, create = requests.parse_pull(meta, bufs, self.sparse, self.dense)
-        out = [self.sparse[n].pull(ids, create) for n, ids in sparse]
+        out = [self.sparse[n].pull(ids, create and not self._sights_at_update(n))
+               for n, ids in sparse]
         return out + [self.dense[n].pull() for n in dense]
+
+    def _sights_at_update(self, name: str) -> bool:
+        """Sync mode counts a table's admission sightings at the updates, not at the pulls: a
+        round's merged update holds each id of the step once, however many workers saw it, as
+        one worker's batch of the whole step would (the data-parallel contract)."""
+        return self.config.mode == PSMode.SYNC and self.sparse[name].admission is not None
+
+    def _sight(self, name: str, ids: np.ndarray) -> None:
+        """Sync: one sighting of each of ``ids`` (distinct) without a row, before the update
+        that may then create the rows of those it admitted."""
+        table = self.sparse[name]
+        if self._sights_at_update(name) and len(ids):
+            table.admission.sight(ids[table.index.find(ids) < 0], table.passes)
 
     def parse_push(self, kind: str, meta: dict, bufs: list) -> Push:
         """A PUSH's or INIT's tables and arrays, checked against the tables (a PUSH's
@@ -101,6 +115,7 @@ class Shard:
         for name, ids, _ in push.sparse:
             self.sparse[name].check_capacity(ids)
         for name, ids, grads in push.sparse:
+            self._sight(name, ids)  # sync: a heter worker's update, applied on arrival
             self.sparse[name].push(ids, grads)
             if self.config.mode == PSMode.GEO:
                 for r in range(self.config.num_workers):
@@ -128,6 +143,7 @@ class Shard:
         for name, (uniq, inv, grads) in merged.items():
             summed = kernels.segment_sum(inv, grads, len(uniq))
             summed[:, :self.sparse[name].dim] *= scale  # show and click are sums, not means
+            self._sight(name, uniq)
             self.sparse[name].push(uniq, summed)
         for name, table in self.dense.items():
             parts = [g for p in pushes for n, g in p.dense if n == name]
@@ -174,12 +190,15 @@ class Shard:
         rows per table, and the chain a delta continues (``base``, ``prev``).
 
         Raises:
-            RequestError: a delta without a base save or load before it.
+            RequestError: a delta without a base save or load before it, or after a load of
+                some of the chain's tables only.
             CheckpointError: a table holds NaN or inf, or a file cannot be written.
         """
         if mode == 2 and self.chain is None:
             raise RequestError("SAVE: a delta (mode 2) needs a base: make a full save (mode 0 "
                                "or 1) first, or start the servers from one (init_server)")
+        if mode == 2 and self.chain.delta_refusal():
+            raise RequestError(f"SAVE: {self.chain.delta_refusal()}")
         chain = self.chain
         rows = save_server(writer, self.index, self.config.num_servers, self.config.shard_num,
                            self.sparse, self.dense, mode, chain)

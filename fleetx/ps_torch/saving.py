@@ -95,11 +95,14 @@ class LocalChain:
         commit.
 
         Raises:
-            StateError: a delta without a base save or load before it.
+            StateError: a delta without a base save or load before it, or after a load of
+                some of the chain's tables only.
         """
         if mode == 2 and self.chain is None:
             raise StateError("save_persistables(mode=2): a delta needs a base: make a full save "
                              "(mode 0 or 1) first, or load one (init_server)")
+        if mode == 2 and self.chain.delta_refusal():
+            raise StateError(f"save_persistables(mode=2): {self.chain.delta_refusal()}")
         tables = {}
         for spec in specs:
             t = DenseTable(spec, make_rule(spec.rule), 0, spec.numel)

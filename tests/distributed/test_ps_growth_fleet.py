@@ -1,7 +1,9 @@
 """Table growth through the fleet API: a scripted id stream in a real ``fleetrun`` job (2
-servers, 2 sync workers) and in one process, with ``fleet.shrink()`` after each pass. Rows
-created, updates dropped for ids not yet admitted, rows evicted, ids pending and forgotten are
-exactly those of an independent model of the rules, pass after pass."""
+servers, 2 sync workers) and in one process taking both workers' ids of a step in one batch,
+with ``fleet.shrink()`` after each pass. Rows created, updates dropped for ids not yet
+admitted, rows evicted, ids pending and forgotten are exactly those of an independent model of
+the rules, pass after pass, and the same for both (an id both workers saw in a step counts once,
+as in the one batch)."""
 import json
 import os
 import subprocess
@@ -18,21 +20,21 @@ from ps_growth_train import STREAM  # noqa: E402  (the stream; importing runs no
 from test_fleetrun import fleetrun_cmd  # noqa: E402
 
 
-def expected(stream, workers, count=2, limit=1):
-    """The counts after each pass: a training pull request counts each id without a row once;
-    an id seen ``count`` times gets its row at the update of the same step (a sync round merges
-    the workers' updates); updates of other ids without a row are dropped; at a shrink, rows not
-    updated for more than ``limit`` passes go, and pending ids not seen in the pass are
-    forgotten."""
+def expected(stream, count=2, limit=1):
+    """The counts after each pass, the same for 2 sync workers and for 1 worker taking both
+    workers' ids of a step in one batch (the data-parallel contract): each step counts each id
+    without a row once, however many workers saw it; an id seen ``count`` times gets its row
+    at the update of the same step (a sync round merges the workers' updates); updates of
+    other ids without a row are dropped; at a shrink, rows not updated for more than ``limit``
+    passes go, and pending ids not seen in the pass are forgotten."""
     rows, pending, totals, out = {}, {}, dict(created=0, removed=0, forgotten=0, dropped=0), []
     for p, steps in enumerate(stream):
         for step in steps:
-            requests = step if workers > 1 else [[i for w in step for i in w]]
-            for req in requests:
-                for i in set(req) - set(rows):
-                    seen = pending.setdefault(i, [0, p])
-                    seen[0], seen[1] = min(seen[0] + 1, count), p
-            for i in sorted({i for req in requests for i in req}):
+            batch = {i for w in step for i in w}
+            for i in batch - set(rows):
+                seen = pending.setdefault(i, [0, p])
+                seen[0], seen[1] = min(seen[0] + 1, count), p
+            for i in sorted(batch):
                 if i not in rows and pending.get(i, [0])[0] < count:
                     totals["dropped"] += 1
                     continue
@@ -52,8 +54,8 @@ def expected(stream, workers, count=2, limit=1):
     return out
 
 
-def check(record, workers):
-    want = expected(STREAM, workers)
+def check(record):
+    want = expected(STREAM)
     forgotten = 0
     for p, (got, exp) in enumerate(zip(record["passes"], want)):
         table = got["report"]["tables"]["emb"]
@@ -75,7 +77,7 @@ def test_a_two_server_fleetrun_job_grows_and_shrinks_exactly(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(ROOT), FLEETX_TIMEOUT="60"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     record = json.loads((tmp_path / "growth.json").read_text())
-    want = check(record, workers=2)
+    want = check(record)
     assert [s["server"] for s in record["final"]["tables"]["emb"]["servers"]] == [0, 1]
     assert want[-1]["ids"] == [1, 4, 7]  # the hand-made stream's end state
     assert "emb" in res.stdout and "pending" in res.stdout  # worker 0 printed the report
@@ -86,4 +88,4 @@ def test_one_process_grows_and_shrinks_exactly(tmp_path):
                          capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    check(json.loads((tmp_path / "growth.json").read_text()), workers=1)
+    check(json.loads((tmp_path / "growth.json").read_text()))

@@ -2,7 +2,7 @@
 and removed ids). A base plus its deltas replayed in order rebuilds the tables exactly, on the
 same number of servers or another; chains are checked (a delta without its base, of another
 chain, out of order, or after a full save is refused naming the manifests); mode 0 keeps the
-statistics and pending admission counts; ``var_names`` loads only some tables."""
+pending admission counts, every mode the statistics; ``var_names`` loads only some tables."""
 import json
 
 import numpy as np
@@ -192,10 +192,12 @@ def test_a_mode0_chain_carries_optimizer_state_statistics_and_pending_counts(tmp
     pending = sorted(k for s in again.shards for k in s.sparse["emb"].admission.index.keys
                      .tolist())
     assert pending == [500, 501]
-    # statistics travel in mode 0 saves only: every row was last updated one pass before the
-    # base (rows 0-4 were updated again after it, which no delta records)
-    stats = np.concatenate([s.sparse["emb"].row_stats(np.arange(20)) for s in again.shards])
-    assert stats[~np.isnan(stats[:, 0]), 0].tolist() == [1.0] * 20
+    # the delta carries the statistics of the rows it holds: rows 0-4 were updated in the
+    # current pass, the others one pass before
+    stats = np.concatenate([s.sparse["emb"].row_stats(ids[server_of(ids, 3, 10) == s.index])
+                            for s in again.shards])
+    keys = np.concatenate([ids[server_of(ids, 3, 10) == s.index] for s in again.shards])
+    assert dict(zip(keys.tolist(), stats[:, 0].tolist())) == {i: float(i >= 5) for i in ids}
 
 
 def test_var_names_loads_only_the_named_tables(chain):
@@ -206,6 +208,46 @@ def test_var_names_loads_only_the_named_tables(chain):
     with pytest.raises(PSConfigError, match=r"var_names: no table 'nope' in this job; its "
                                             r"tables: dense, emb, tag"):
         Job(load=str(dirs[0]), var_names=["nope"])
+
+
+def test_var_names_on_a_chain_replays_it_for_those_tables_and_a_delta_then_refuses(chain,
+                                                                                   tmp_path):
+    """Loading some tables of a base and its deltas replays the whole chain for them; a delta
+    after that would claim the chain's rows for the tables not loaded, so it is refused naming
+    them until a full save starts a chain again, which deltas then continue."""
+    job, dirs, (base, _, d2) = chain
+    again = Job(load=[str(d) for d in dirs], var_names=["tag", "dense"])
+    assert again.rows("tag") == job.rows("tag") and again.rows("emb") == {}
+    assert all(s.chain.base == base.save_id and s.chain.prev == d2.save_id
+               for s in again.shards)
+    with pytest.raises(RequestError, match=r"SAVE: a delta \(mode 2\) cannot continue the "
+                       rf"chain of base save {base.save_id}: its table\(s\) 'emb' were not "
+                       r"loaded .* make a full save \(mode 0 or 1\) first"):
+        again.save(tmp_path / "d3", 2)
+    rng = np.random.default_rng(5)
+    again.save(tmp_path / "new", 1)
+    train(again, rng, np.arange(10, 20))
+    again.save(tmp_path / "new-d", 2)
+    back = Job(load=[str(tmp_path / "new"), str(tmp_path / "new-d")])
+    assert back.rows("emb") == again.rows("emb") and back.rows("tag") == again.rows("tag")
+
+
+def test_a_one_process_job_refuses_a_delta_after_loading_some_tables_only(chain, tmp_path):
+    from fleetx.ps.checkpoint import load_server
+    from fleetx.ps.rules import make_rule
+    from fleetx.ps.table import SparseTable
+    from fleetx.ps.api import StateError
+    from fleetx.ps_torch.saving import LocalChain
+    _, dirs, _ = chain
+    tables = {t.name: SparseTable(t, make_rule(t.rule)) for t in TABLES.sparse}
+    loaded = load_server([str(d) for d in dirs], 0, 1, 1, tables, {}, ["emb"])
+    assert loaded.chain.skipped == ("tag",)
+    with pytest.raises(StateError, match=r"save_persistables\(mode=2\): a delta .* its "
+                                         r"table\(s\) 'tag' were not loaded"):
+        LocalChain(tables, loaded.chain).save(str(tmp_path / "d"), 2, {}, ())
+    full = load_server([str(d) for d in dirs], 0, 1, 1, tables, {})
+    assert full.chain.skipped == ()
+    LocalChain(tables, full.chain).save(str(tmp_path / "d"), 2, {}, ())
 
 
 def test_manifest_info_must_agree_with_the_server_folders(chain):
