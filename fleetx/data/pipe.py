@@ -9,7 +9,6 @@ stops early (an error elsewhere, a consumer that broke off) kills both processes
 """
 from __future__ import annotations
 
-import os
 import select
 import shlex
 import signal
@@ -17,6 +16,7 @@ import subprocess
 import tempfile
 from typing import IO, Any, Iterator, Optional
 
+from fleetx.data import processes
 from fleetx.data.api import PipeCommandError
 
 __all__ = ["read_lines", "stop_group", "CHUNK_BYTES"]
@@ -41,13 +41,12 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
     """
     download = f"{download_cmd} {shlex.quote(path)}"
     with tempfile.TemporaryFile() as err_dl, tempfile.TemporaryFile() as err_pipe:
-        # each command in a process group of its own: stopping it stops all it started
-        first = subprocess.Popen(download, shell=True, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=err_dl, start_new_session=True)
+        # in the worker's process group and killed with this thread (fleetx.data.processes)
+        first = processes.start(download, shell=True, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=err_dl)
         try:
-            second = subprocess.Popen(pipe_command, shell=True, stdin=first.stdout,
-                                      stdout=subprocess.PIPE, stderr=err_pipe,
-                                      start_new_session=True)
+            second = processes.start(pipe_command, shell=True, stdin=first.stdout,
+                                     stdout=subprocess.PIPE, stderr=err_pipe)
         except BaseException:
             stop_group(first)
             raise
@@ -93,13 +92,8 @@ def _chunks(out: IO[bytes], chunk_bytes: int) -> Iterator[tuple]:
 
 
 def stop_group(process: subprocess.Popen) -> None:
-    """Kill ``process`` and everything in its process group, then reap it."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:  # pragma: no cover - it exited meanwhile
-            pass
-    process.wait()
+    """Kill ``process`` and everything it started, then reap it."""
+    processes.stop_tree(process)
 
 
 def _check(path: str, commands: list) -> None:

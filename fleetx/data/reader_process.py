@@ -26,6 +26,7 @@ from typing import IO, Any, Optional
 
 import numpy as np
 
+from fleetx.data import processes
 from fleetx.data.api import BadLineError, DataError, PipeCommandError, Slot
 from fleetx.data.block import SampleBlock
 from fleetx.data.pipe import stop_group
@@ -141,9 +142,9 @@ class ProcessReader:
         index = None
         with tempfile.TemporaryFile() as err:
             try:
-                child = subprocess.Popen([sys.executable, "-c", _BOOT, self.config],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, start_new_session=True)
+                child = processes.start([sys.executable, "-c", _BOOT, self.config],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=err)
             except BaseException as exc:  # no process: the next file reports it
                 if (index := self.reader.take()) is not None:
                     self.reader.failed(index, exc)
