@@ -21,7 +21,9 @@ One thread owns the sections and handles every request in arrival order (``_serv
   (lock-step) answers every trainer once all of them reported the step, after pushing the sum
   of their gradients divided by their number, exactly as the servers average the trainers'
   pushes in a sync round: the job then trains as the same job without heter workers;
-* ``HETER_BYE``: the trainer leaves (answered once its gradients reached the servers).
+* ``HETER_BYE``: the trainer leaves (answered once its gradients reached the servers);
+* ``HETER_FLUSH``: answered once the pushes queued so far reached the servers (a trainer
+  sends it before a save or a barrier).
 
 Liveness is the parameter server's: a trainer that dies, closes its link or falls silent for
 ``dead_after`` is lost, and so is one that does not connect within ``timeout``, or that sends
@@ -185,7 +187,7 @@ class HeterWorker:
         self._done = threading.Event()
         self._handlers = {Kind.HETER_HELLO: self._on_hello, Kind.HETER_FORWARD: self._on_forward,
                           Kind.HETER_BACKWARD: self._on_backward, Kind.HETER_STEP: self._on_step,
-                          Kind.HETER_BYE: self._on_bye}
+                          Kind.HETER_BYE: self._on_bye, Kind.HETER_FLUSH: self._on_flush}
 
     # ------------------------------------------------------------------ life cycle
     def run(self) -> None:
@@ -406,6 +408,10 @@ class HeterWorker:
             self._try_step()
             return None
         self._try_step()
+        return msg.reply()
+
+    def _on_flush(self, link: Link, t: _Trainer, msg: Message) -> Message:
+        _servers(self.comm.flush)  # async: the queued pushes; lock-step pushes are done
         return msg.reply()
 
     # ------------------------------------------------------------------ steps and pushes
