@@ -14,10 +14,10 @@ import shlex
 import signal
 import subprocess
 import tempfile
-from typing import IO, Any, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 from fleetx.data import processes
-from fleetx.data.api import PipeCommandError
+from fleetx.data.api import PipeCommandError, PipeTimeoutError
 
 __all__ = ["read_lines", "stop_group", "CHUNK_BYTES"]
 
@@ -29,13 +29,16 @@ _SIGPIPE = {-signal.SIGPIPE, 128 + signal.SIGPIPE}
 
 
 def read_lines(path: str, download_cmd: str, pipe_command: str,
-               chunk_bytes: int = CHUNK_BYTES, tracker: Optional[Any] = None) -> Iterator[tuple]:
+               chunk_bytes: int = CHUNK_BYTES, tracker: Optional[Any] = None,
+               timeout: Optional[float] = None) -> Iterator[tuple]:
     """Yield ``(first_line, data)``: the pipeline's output as chunks of whole lines (the last
     one gets a newline if it lacked one); ``first_line`` numbers the chunk's first line from 1.
     ``tracker`` (optional): ``add(process, stop)`` and ``discard(process)`` are told about the
-    two processes, so that a reader stopping from outside can kill them.
+    two processes, so that a reader stopping from outside can kill them. ``timeout``: seconds
+    the commands may stay silent (None: no limit).
 
     Raises:
+        PipeTimeoutError: nothing came for ``timeout`` seconds (both commands are killed).
         PipeCommandError: a command exited non-zero (or could not be started); raised after the
             output was consumed, so the samples read before it are never taken for the whole.
     """
@@ -57,7 +60,8 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
             tracker.add(second, stop_group)
         finished = False
         try:
-            yield from _chunks(second.stdout, chunk_bytes)
+            yield from _chunks(second.stdout, chunk_bytes, lambda: PipeTimeoutError(
+                path, f"{download} | {pipe_command}", timeout), timeout)
             finished = True
         finally:
             if not finished:
@@ -70,13 +74,16 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
         _check(path, [(download, first, err_dl), (pipe_command, second, err_pipe)])
 
 
-def _chunks(out: IO[bytes], chunk_bytes: int) -> Iterator[tuple]:
+def _chunks(out: IO[bytes], chunk_bytes: int, silent: Callable[[], Exception],
+            timeout: Optional[float] = None) -> Iterator[tuple]:
     """Whole lines as they come: a chunk grows to ``chunk_bytes`` while output keeps flowing,
     and is handed on as soon as the command pauses (a slow generator's lines are not held back
-    until a full chunk is there)."""
+    until a full chunk is there). ``silent()`` is raised after ``timeout`` s without output."""
     line, rest, ended = 1, b"", False
     while not ended:
-        parts = [rest, out.read1(chunk_bytes)]  # waits for the next output
+        if timeout is not None and not select.select([out], [], [], timeout)[0]:
+            raise silent()
+        parts = [rest, out.read1(chunk_bytes)]  # output (or its end) is there
         size, ended = sum(map(len, parts)), not parts[1]
         while not ended and size < chunk_bytes and select.select([out], [], [], 0)[0]:
             parts.append(out.read1(chunk_bytes - size))

@@ -104,3 +104,32 @@ def test_stop_tree_kills_background_children(tmp_path):
     assert wait_for(lambda: not any(Path(f"/proc/{p}").exists() and
                                     Path(f"/proc/{p}/stat").read_text().rsplit(") ", 1)[1][0]
                                     != "Z" for p in kids), 5)
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_hung_pipe_command_is_an_error_naming_the_file(tmp_path, kind, monkeypatch):
+    from fleetx.data import InMemoryDataset, PipeTimeoutError
+    (tmp_path / "part-0").write_text("1 5\n")
+    monkeypatch.setenv("FLEETX_TIMEOUT", "1")
+    marker = f"31.{os.getpid()}3"
+    ds = InMemoryDataset()
+    ds.init(batch_size=1, use_var=["ids"], reader=kind, pipe_command=f"sleep {marker}; cat")
+    ds.set_filelist([str(tmp_path / "part-0")])
+    start = time.monotonic()
+    with pytest.raises(PipeTimeoutError, match=r"reading .*part-0: 'cat .*part-0 \| sleep "
+                                               r"31\.\d+; cat' wrote nothing for 1 s "
+                                               r"\(FLEETX_TIMEOUT\); the commands were killed"):
+        ds.load_into_memory()
+    assert time.monotonic() - start < 15
+    assert wait_for(lambda: not matching(f"sleep {marker}"), 5)  # the commands were killed
+
+
+def test_a_slow_but_talking_command_is_no_timeout(tmp_path, monkeypatch):
+    from fleetx.data import QueueDataset
+    (tmp_path / "part-0").write_text("")
+    monkeypatch.setenv("FLEETX_TIMEOUT", "1")
+    ds = QueueDataset()
+    ds.init(batch_size=1, use_var=["ids"], reader="thread",
+            pipe_command="for i in 1 2 3; do echo 1 $i; sleep 0.6; done")
+    ds.set_filelist([str(tmp_path / "part-0")])
+    assert [b["ids"].values.tolist() for b in ds] == [[1], [2], [3]]
