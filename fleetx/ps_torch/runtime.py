@@ -44,7 +44,8 @@ from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint, kernels
 from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
 from fleetx.ps_torch.heter import attach, detach
-from fleetx.ps_torch.heter_worker import HeterWorker, heter_device
+from fleetx.ps_torch.heter_sections import heter_device
+from fleetx.ps_torch.heter_worker import HeterWorker
 from fleetx.ps_torch.inference import NO_STEP, InferenceSession
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.prefetch import PrefetchLoader, table_ids

@@ -24,7 +24,7 @@ from fleetx.ps import AuthError, PSConfig  # noqa: E402
 from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, Kind, StateError  # noqa: E402
 from fleetx.ps.handshake import connect  # noqa: E402
 from fleetx.ps.transport import Link, Message  # noqa: E402
-from fleetx.ps_torch.heter_worker import heter_device  # noqa: E402
+from fleetx.ps_torch.heter_sections import heter_device  # noqa: E402
 from fleetx.ps_torch.layout import ModelLayout  # noqa: E402
 
 LR = 0.5
@@ -247,14 +247,14 @@ def test_a_heter_worker_that_stops_answering_is_named_after_the_timeout(monkeypa
     import threading
 
     from fleetx.ps import PSTimeoutError
-    from fleetx.ps_torch import heter_worker
+    from fleetx.ps_torch import heter_sections
     gate = threading.Event()
-    call = heter_worker._Section.__call__
+    call = heter_sections.Section.__call__
 
     def stuck(self, inputs):
         gate.wait(60)
         return call(self, inputs)
-    monkeypatch.setattr(heter_worker._Section, "__call__", stuck)
+    monkeypatch.setattr(heter_sections.Section, "__call__", stuck)
     config = dataclasses.replace(cluster(workers=1, mode="async"), timeout=2.0)
 
     def trainer():
