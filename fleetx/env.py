@@ -112,9 +112,9 @@ _VARS = [
     _v("FLEETX_LOG_DIR", "folder of the per-process logs (a rank whose collective fails leaves "
        "fault.<rank>.json there, naming the rank at fault, for fleetrun's report)", "fleetrun",
        "user scripts, comm", "none"),
-    _v("FLEETX_TIMEOUT", "seconds a collective or PS request may wait for a peer, and fleetrun "
-       "for the other nodes at the rendezvous (default 300)", "user",
-       "fleet, ps, fleetrun, launch bootstrap", "TORCH_NCCL_ASYNC_ERROR_HANDLING + init timeout"),
+    _v("FLEETX_TIMEOUT", "seconds a collective or PS request may wait for a peer, a dataset's "
+       "pipe commands may stay silent, and fleetrun for the other nodes at the rendezvous "
+       "(default 300)", "user", "fleet, ps, data, fleetrun, launch bootstrap", "TORCH_NCCL_ASYNC_ERROR_HANDLING + init timeout"),
     _v("FLEETX_DEBUG_COLLECTIVES", "1: before each collective fleetx makes (DDP's gradient "
        "all-reduce, fleet.util, barrier_worker), every rank of the group checks through the "
        "rendezvous store that all make the same call (operation, shapes, dtypes): a divergence "

@@ -44,13 +44,13 @@ Example:
 import importlib
 from typing import Any
 
-from fleetx.data.api import (BadLineError, DataError, PipeCommandError, RaggedSlot,
-                             SampleError, ShuffleError, Slot)
+from fleetx.data.api import (BadLineError, DataError, PipeCommandError, PipeTimeoutError,
+                             RaggedSlot, SampleError, ShuffleError, Slot)
 from fleetx.data.generator import (DataGenerator, MultiSlotDataGenerator,
                                    MultiSlotStringDataGenerator)
 
 __all__ = ["Slot", "RaggedSlot", "DataError", "SampleError", "BadLineError", "PipeCommandError",
-           "ShuffleError", "DataGenerator", "MultiSlotDataGenerator",
+           "PipeTimeoutError", "ShuffleError", "DataGenerator", "MultiSlotDataGenerator",
            "MultiSlotStringDataGenerator", "DatasetBase", "InMemoryDataset", "QueueDataset",
            "DatasetFactory"]
 

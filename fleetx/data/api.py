@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple, Protocol, Sequence
 
 __all__ = ["Slot", "as_slots", "RaggedSlot", "DataError", "SampleError", "BadLineError",
-           "PipeCommandError", "ShuffleError", "Util", "FleetLike", "DTYPE_ERROR"]
+           "PipeCommandError", "PipeTimeoutError", "ShuffleError", "Util", "FleetLike", "DTYPE_ERROR"]
 
 # The reference's message for a variable of another dtype, kept as its first sentence.
 DTYPE_ERROR = "Currently, fleetx datasets only support dtype=float32 and dtype=int64"
@@ -60,6 +60,22 @@ class PipeCommandError(DataError):
         super().__init__(f"reading {file}: command {command!r} exited with status {returncode}; "
                          f"its stderr ends with:\n{tail}")
         self.file, self.command, self.returncode, self.stderr = file, command, returncode, stderr
+
+
+class PipeTimeoutError(DataError):
+    """A file's commands wrote nothing for ``timeout`` seconds (``FLEETX_TIMEOUT``): a hung
+    download or generator; both commands are killed.
+
+    Attributes:
+        file: the file being read.
+        command: the pipeline (``<download_cmd> <file> | <pipe_command>``).
+        timeout: the seconds waited.
+    """
+
+    def __init__(self, file: str, command: str, timeout: float) -> None:
+        super().__init__(f"reading {file}: {command!r} wrote nothing for {timeout:g} s "
+                         f"(FLEETX_TIMEOUT); the commands were killed")
+        self.file, self.command, self.timeout = file, command, timeout
 
 
 class ShuffleError(DataError):

@@ -146,10 +146,15 @@ class SampleBlock:
             raise DataError(f"the block{where} was made with other slots (names, dtypes or "
                             f"widths differ from {[s.name for s in slots]})")
         size, at = int(header[2]), 8 * words
+        if size < 0:
+            raise DataError(f"a packed block{where} announces {size} samples")
         values, lengths = {}, {}
         for s, count in zip(slots, header[4:]):
             if not s.dense:
                 lengths[s.name], at = _take(buffer, at, size, np.int32, where)
+                if size and int(lengths[s.name].min()) < 0:  # offsets must never fall
+                    raise DataError(f"a packed block{where} is inconsistent: slot {s.name!r} "
+                                    f"has a sample of {int(lengths[s.name].min())} values")
             values[s.name], at = _take(buffer, at, int(count), _NUMPY[s.dtype], where)
             expected = size * s.dense_width if s.dense else int(lengths[s.name].sum())
             if expected != count:

@@ -141,8 +141,9 @@ class DatasetBase:
         if not self.slots:
             raise DataError(f"{type(self).__name__}: no slots declared; call init(use_var=[...])"
                             f" or init(slots=[...]) first")
+        silent = env.get_float("FLEETX_TIMEOUT", 300.0)  # a hung command is an error
         options = ReadOptions(self.slots, self.download_cmd, self.pipe_command,
-                              self.skip_bad_lines)
+                              self.skip_bad_lines, timeout=silent if silent > 0 else None)
         return ParallelReader(self.filelist, options, threads or self._readers(), self.reader,
                               bound)
 

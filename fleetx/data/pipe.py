@@ -9,15 +9,15 @@ stops early (an error elsewhere, a consumer that broke off) kills both processes
 """
 from __future__ import annotations
 
-import os
 import select
 import shlex
 import signal
 import subprocess
 import tempfile
-from typing import IO, Any, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
-from fleetx.data.api import PipeCommandError
+from fleetx.data import processes
+from fleetx.data.api import PipeCommandError, PipeTimeoutError
 
 __all__ = ["read_lines", "stop_group", "CHUNK_BYTES"]
 
@@ -29,25 +29,27 @@ _SIGPIPE = {-signal.SIGPIPE, 128 + signal.SIGPIPE}
 
 
 def read_lines(path: str, download_cmd: str, pipe_command: str,
-               chunk_bytes: int = CHUNK_BYTES, tracker: Optional[Any] = None) -> Iterator[tuple]:
+               chunk_bytes: int = CHUNK_BYTES, tracker: Optional[Any] = None,
+               timeout: Optional[float] = None) -> Iterator[tuple]:
     """Yield ``(first_line, data)``: the pipeline's output as chunks of whole lines (the last
     one gets a newline if it lacked one); ``first_line`` numbers the chunk's first line from 1.
     ``tracker`` (optional): ``add(process, stop)`` and ``discard(process)`` are told about the
-    two processes, so that a reader stopping from outside can kill them.
+    two processes, so that a reader stopping from outside can kill them. ``timeout``: seconds
+    the commands may stay silent (None: no limit).
 
     Raises:
+        PipeTimeoutError: nothing came for ``timeout`` seconds (both commands are killed).
         PipeCommandError: a command exited non-zero (or could not be started); raised after the
             output was consumed, so the samples read before it are never taken for the whole.
     """
     download = f"{download_cmd} {shlex.quote(path)}"
     with tempfile.TemporaryFile() as err_dl, tempfile.TemporaryFile() as err_pipe:
-        # each command in a process group of its own: stopping it stops all it started
-        first = subprocess.Popen(download, shell=True, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=err_dl, start_new_session=True)
+        # in the worker's process group and killed with this thread (fleetx.data.processes)
+        first = processes.start(download, shell=True, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=err_dl)
         try:
-            second = subprocess.Popen(pipe_command, shell=True, stdin=first.stdout,
-                                      stdout=subprocess.PIPE, stderr=err_pipe,
-                                      start_new_session=True)
+            second = processes.start(pipe_command, shell=True, stdin=first.stdout,
+                                     stdout=subprocess.PIPE, stderr=err_pipe)
         except BaseException:
             stop_group(first)
             raise
@@ -58,7 +60,8 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
             tracker.add(second, stop_group)
         finished = False
         try:
-            yield from _chunks(second.stdout, chunk_bytes)
+            yield from _chunks(second.stdout, chunk_bytes, lambda: PipeTimeoutError(
+                path, f"{download} | {pipe_command}", timeout), timeout)
             finished = True
         finally:
             if not finished:
@@ -71,13 +74,16 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
         _check(path, [(download, first, err_dl), (pipe_command, second, err_pipe)])
 
 
-def _chunks(out: IO[bytes], chunk_bytes: int) -> Iterator[tuple]:
+def _chunks(out: IO[bytes], chunk_bytes: int, silent: Callable[[], Exception],
+            timeout: Optional[float] = None) -> Iterator[tuple]:
     """Whole lines as they come: a chunk grows to ``chunk_bytes`` while output keeps flowing,
     and is handed on as soon as the command pauses (a slow generator's lines are not held back
-    until a full chunk is there)."""
+    until a full chunk is there). ``silent()`` is raised after ``timeout`` s without output."""
     line, rest, ended = 1, b"", False
     while not ended:
-        parts = [rest, out.read1(chunk_bytes)]  # waits for the next output
+        if timeout is not None and not select.select([out], [], [], timeout)[0]:
+            raise silent()
+        parts = [rest, out.read1(chunk_bytes)]  # output (or its end) is there
         size, ended = sum(map(len, parts)), not parts[1]
         while not ended and size < chunk_bytes and select.select([out], [], [], 0)[0]:
             parts.append(out.read1(chunk_bytes - size))
@@ -93,13 +99,8 @@ def _chunks(out: IO[bytes], chunk_bytes: int) -> Iterator[tuple]:
 
 
 def stop_group(process: subprocess.Popen) -> None:
-    """Kill ``process`` and everything in its process group, then reap it."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:  # pragma: no cover - it exited meanwhile
-            pass
-    process.wait()
+    """Kill ``process`` and everything it started, then reap it."""
+    processes.stop_tree(process)
 
 
 def _check(path: str, commands: list) -> None:

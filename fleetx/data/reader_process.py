@@ -26,7 +26,9 @@ from typing import IO, Any, Optional
 
 import numpy as np
 
-from fleetx.data.api import BadLineError, DataError, PipeCommandError, Slot
+from fleetx.data import processes
+from fleetx.data.api import (BadLineError, DataError, PipeCommandError, PipeTimeoutError,
+                             Slot)
 from fleetx.data.block import SampleBlock
 from fleetx.data.pipe import stop_group
 
@@ -36,6 +38,8 @@ _HEADER = struct.Struct("<4sIqqq")
 _MAGIC = b"FXRD"
 _CHUNK, _DONE, _ERROR = 1, 2, 3
 _STOP_S = 5.0  # how long a reader process may take to stop its pipe commands
+_FIRST_READ = 1 << 20
+_MAX_FRAME_BYTES = 1 << 40  # a sanity bound; the buffer only grows with the bytes that come
 _ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the fleetx package
 _BOOT = f"import sys; sys.path.insert(0, {_ROOT!r}); " \
         f"from fleetx.data.reader_process import main; main()"
@@ -46,13 +50,16 @@ def _config(options: Any) -> str:
                        "download_cmd": options.download_cmd,
                        "pipe_command": options.pipe_command,
                        "skip_bad_lines": options.skip_bad_lines,
-                       "chunk_bytes": options.chunk_bytes, "parser": options.parser})
+                       "chunk_bytes": options.chunk_bytes, "parser": options.parser,
+                       "timeout": options.timeout})
 
 
 def _error_payload(exc: BaseException) -> bytes:
     if isinstance(exc, PipeCommandError):
         fields = {"file": exc.file, "command": exc.command, "returncode": exc.returncode,
                   "stderr": exc.stderr}
+    elif isinstance(exc, PipeTimeoutError):
+        fields = {"file": exc.file, "command": exc.command, "timeout": exc.timeout}
     elif isinstance(exc, BadLineError):
         fields = {"file": exc.file, "line": exc.line, "reason": exc.reason}
     else:
@@ -65,6 +72,8 @@ def _error_from(payload: bytes, path: str) -> BaseException:
     kind, fields = sent["type"], sent["fields"]
     if kind == "PipeCommandError":
         return PipeCommandError(**fields)
+    if kind == "PipeTimeoutError":
+        return PipeTimeoutError(**fields)
     if kind == "BadLineError":
         return BadLineError(**fields)
     return DataError(f"reading {path} in a reader process: {fields['message']}")
@@ -76,7 +85,7 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     options = ReadOptions(tuple(Slot(*s) for s in config["slots"]), config["download_cmd"],
                           config["pipe_command"], config["skip_bad_lines"],
-                          config["chunk_bytes"], config["parser"])
+                          config["chunk_bytes"], config["parser"], config["timeout"])
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # only frames may reach the dataset
     # stopped by the dataset: unwind, so that the file being read has its commands killed
@@ -118,11 +127,27 @@ def _stop(child: subprocess.Popen) -> None:
     child.wait()
 
 
+def _frame_size(size: int, path: str) -> int:
+    """A frame's announced payload size, refused when negative or beyond any real chunk.
+
+    Raises:
+        DataError: naming the file.
+    """
+    if not 0 <= size <= _MAX_FRAME_BYTES:
+        raise DataError(f"reading {path}: the reader process sent a malformed frame "
+                        f"(payload of {size} bytes)")
+    return size
+
+
 def _read_exact(stream: IO[bytes], size: int) -> Optional[bytearray]:
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
+    """``size`` bytes, or None at the end of the stream. The buffer grows with what arrives
+    (doubling from 1 MiB), so a size the data does not back allocates no more than it."""
+    buf, got = bytearray(min(size, _FIRST_READ)), 0
     while got < size:
-        n = stream.readinto(view[got:])
+        if got == len(buf):
+            buf.extend(bytes(min(size - got, len(buf))))
+        with memoryview(buf) as whole, whole[got:] as view:
+            n = stream.readinto(view)
         if not n:
             return None
         got += n
@@ -141,9 +166,9 @@ class ProcessReader:
         index = None
         with tempfile.TemporaryFile() as err:
             try:
-                child = subprocess.Popen([sys.executable, "-c", _BOOT, self.config],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, start_new_session=True)
+                child = processes.start([sys.executable, "-c", _BOOT, self.config],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=err)
             except BaseException as exc:  # no process: the next file reports it
                 if (index := self.reader.take()) is not None:
                     self.reader.failed(index, exc)
@@ -175,7 +200,8 @@ class ProcessReader:
                 self.reader.failed(index, self._died(child, path, err))
                 return False
             magic, kind, got, value, size = _HEADER.unpack(header)
-            payload = _read_exact(child.stdout, size) if size else bytearray()
+            payload = _read_exact(child.stdout, _frame_size(size, path)) if size \
+                else bytearray()
             if magic != _MAGIC or got != index or payload is None:
                 self.reader.failed(index, DataError(f"reading {path}: the reader process sent "
                                                     f"a malformed frame"))

@@ -45,8 +45,9 @@ def default_kind(parser: Optional[str] = None) -> str:
 
 @dataclass(frozen=True)
 class ReadOptions:
-    """How every file is read: the commands, the slots, bad lines, the chunk size, and the
-    parser (None: the C one when it is built; benchmarks compare them)."""
+    """How every file is read: the commands, the slots, bad lines, the chunk size, the
+    parser (None: the C one when it is built; benchmarks compare them), and how long the
+    commands may stay silent."""
 
     slots: tuple
     download_cmd: str = "cat"
@@ -54,6 +55,7 @@ class ReadOptions:
     skip_bad_lines: bool = False
     chunk_bytes: int = CHUNK_BYTES
     parser: Optional[str] = None
+    timeout: Optional[float] = None  # seconds a file's commands may stay silent (FLEETX_TIMEOUT)
 
 
 @dataclass
@@ -78,7 +80,7 @@ def read_file(path: str, options: ReadOptions, emit: Callable,
     skipped. ``tracker``: ``add(process, stop)`` / ``discard(process)`` for its commands."""
     skipped = 0
     chunks = read_lines(path, options.download_cmd, options.pipe_command, options.chunk_bytes,
-                        tracker)
+                        tracker, options.timeout)
     with contextlib.closing(chunks):  # stopping early kills the file's commands at once
         for first_line, data in chunks:
             block, bad = parse_lines(data, options.slots, path, first_line,

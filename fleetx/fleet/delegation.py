@@ -10,6 +10,7 @@ engine itself (joining the world, planning, wrapping) stays in ``fleet.py``.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any, Callable, Optional
 
@@ -219,20 +220,35 @@ class RuntimeCalls:
             return batches
         return runtime.prefetch(batches, ids_of)
 
-    def save_persistables(self, dirname: str, *args: Any, **kwargs: Any) -> None:
-        """Parameter server: save dense parameters and sparse tables to ``dirname``."""
+    def save_persistables(self, *args: Any, **kwargs: Any) -> None:
+        """Parameter server: save dense parameters and sparse tables (``(dirname, mode=0)``).
+
+        Paddle's form ``(executor, dirname, main_program=None, mode=0)`` is accepted too: a
+        leading argument that is not a path is taken for the executor and ignored, as is
+        ``main_program`` (a torch model has no program).
+
+        Example:
+            >>> fleet.save_persistables(exe, "ckpt", None, 0)  # doctest: +SKIP
+        """
+        args, kwargs, paddle_form = _without_executor(args, kwargs)
+        if paddle_form:
+            dirname, mode = _paddle_save_persistables(*args, **kwargs)
+            args, kwargs = (dirname,), {"mode": mode}
         runtime = self._runtime("save_persistables")
         if runtime is None:
             return self._collective_note("save_persistables")
-        runtime.save_persistables(dirname, *args, **kwargs)
+        runtime.save_persistables(*args, **kwargs)
 
-    def save_inference_model(self, dirname: str, *args: Any, **kwargs: Any) -> None:
+    def save_inference_model(self, *args: Any, **kwargs: Any) -> None:
         """Parameter server: export the model for serving to ``dirname`` (a plain
-        ``state_dict`` and ``.npy`` tables, readable without fleetx; ``docs/ps_tables.md``)."""
+        ``state_dict`` and ``.npy`` tables, readable without fleetx; ``docs/ps_tables.md``).
+        Paddle's leading ``executor`` is accepted and ignored (a first argument that is not a
+        path)."""
+        args, kwargs, _ = _without_executor(args, kwargs)
         runtime = self._runtime("save_inference_model")
         if runtime is None:
             return self._collective_note("save_inference_model")
-        runtime.save_inference_model(dirname, *args, **kwargs)
+        runtime.save_inference_model(*args, **kwargs)
 
     def shrink(self, threshold: Optional[int] = None) -> Optional[dict]:
         """Parameter server: end a pass on every server (every worker calls it): decay
@@ -256,3 +272,21 @@ class RuntimeCalls:
         if runtime is None:
             return self._collective_note("print_table_stat")
         return runtime.print_table_stat()
+
+
+def _without_executor(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+    """Drop Paddle's leading ``executor`` (a first positional argument that is not a path, or
+    ``executor=``); the flag says whether the call was in Paddle's form."""
+    kwargs = dict(kwargs)
+    paddle_form = "executor" in kwargs
+    kwargs.pop("executor", None)
+    if args and not isinstance(args[0], (str, os.PathLike)):
+        args, paddle_form = args[1:], True
+    return args, kwargs, paddle_form
+
+
+def _paddle_save_persistables(dirname: Any, main_program: Any = None, mode: int = 0
+                              ) -> tuple[Any, int]:
+    """Paddle's ``save_persistables`` arguments after the executor (``main_program``: no
+    effect)."""
+    return dirname, mode

@@ -15,6 +15,8 @@ import torch.distributed as dist
 __all__ = ["UtilBase"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+#: bytes a worker may send, or receive, in one ``all_to_all`` (``max_bytes``'s default)
+MAX_EXCHANGE_BYTES = 8 << 30
 _WORLDS = ("worker",)
 
 
@@ -127,14 +129,20 @@ class UtilBase:
                 dist.broadcast(tensor, src=src, group=comm.host_group)
         return back(tensor)
 
-    def all_to_all(self, inputs: Sequence[Any], comm_world: str = "worker") -> list:
+    def all_to_all(self, inputs: Sequence[Any], comm_world: str = "worker",
+                   max_bytes: int = MAX_EXCHANGE_BYTES) -> list:
         """Send ``inputs[j]`` to worker ``j``; return what every worker sent to this one, in
         rank order. Each input is a 1-D numpy array or CPU tensor; all have one dtype, the same
         on every worker; lengths may differ. (A fleetx addition: the global shuffle of
         ``fleetx.data`` exchanges its samples with it, as raw buffers.)
 
+        The workers first share every length (a ``world x world`` table): each checks it
+        before anything is allocated, so all refuse alike an exchange in which a worker would
+        send or receive more than ``max_bytes``, or a length that is negative.
+
         Raises:
-            ValueError: not one 1-D input per worker, or inputs of different dtypes.
+            ValueError: not one 1-D input per worker, inputs of different dtypes, or an
+                exchange over ``max_bytes`` or with a negative length (naming the worker).
             CommError: a worker did not take part in time (it is named).
 
         Example:
@@ -155,10 +163,12 @@ class UtilBase:
         if comm is None:
             return [back(pairs[0][0])]
         sizes = torch.tensor([t.numel() for t, _ in pairs], dtype=torch.int64)
-        got = torch.empty_like(sizes)
+        table = [torch.empty_like(sizes) for _ in range(world)]  # table[i][j]: i sends to j
         comm.check("all_to_all(sizes)", comm.host_group, [sizes])
         with comm.explaining("fleet.util.all_to_all"):
-            dist.all_to_all_single(got, sizes, group=comm.host_group)
+            dist.all_gather(table, sizes, group=comm.host_group)
+        check_exchange([t.tolist() for t in table], pairs[0][0].element_size(), max_bytes)
+        got = torch.stack(table)[:, dist.get_rank(group=comm.host_group)].contiguous()
         out = torch.empty(int(got.sum()), dtype=pairs[0][0].dtype)
         send = torch.cat([t for t, _ in pairs])
         comm.check("all_to_all(data)", comm.host_group, [send[:0]])
@@ -185,3 +195,25 @@ class UtilBase:
         """Print ``message`` only on worker ``rank_id``."""
         if self._world.worker_index() == rank_id:
             print(message, flush=True)
+
+
+def check_exchange(table: Sequence[Sequence[int]], itemsize: int, max_bytes: int) -> None:
+    """Refuse an all-to-all whose lengths (``table[i][j]``: items worker ``i`` sends to ``j``)
+    are negative, or make a worker send or receive more than ``max_bytes``.
+
+    Raises:
+        ValueError: naming the worker and the bytes, or the negative length.
+    """
+    for i, row in enumerate(table):
+        for j, n in enumerate(row):
+            if n < 0:
+                raise ValueError(f"fleet.util.all_to_all: worker {i} announces {n} items for "
+                                 f"worker {j}; a length cannot be negative")
+    world = len(table)
+    for what, total in (("sends", lambda w: sum(table[w])),
+                        ("receives", lambda w: sum(row[w] for row in table))):
+        for w in range(world):
+            if total(w) * itemsize > max_bytes:
+                raise ValueError(f"fleet.util.all_to_all: worker {w} {what} "
+                                 f"{total(w) * itemsize} bytes in one exchange, more than "
+                                 f"max_bytes={max_bytes}; exchange in several parts")

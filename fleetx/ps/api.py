@@ -78,6 +78,7 @@ class Kind(enum.IntEnum):
     HETER_BACKWARD = 33  # trainer -> heter worker: the outputs' gradients; reply: the inputs'
     HETER_STEP = 34      # trainer -> heter worker: the trainer's optimizer step is done
     HETER_BYE = 35       # trainer -> heter worker: the trainer stops or turns to inference
+    HETER_FLUSH = 36     # trainer -> heter worker: answered once its queued steps reached the servers
 
 
 #: wire dtype code -> numpy dtype string (always little-endian)

@@ -59,7 +59,8 @@ from fleetx.ps.rounds import Waiting, Waits, stalled
 from fleetx.ps.shard import Shard
 from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor, RateLimitedLog
 from fleetx.ps.handshake import require_secret
-from fleetx.ps.transport import Heartbeats, Link, Message
+from fleetx.ps.links import LinkSet
+from fleetx.ps.transport import Link, Message
 
 __all__ = ["PSServer", "run_server"]
 
@@ -136,10 +137,8 @@ class PSServer:
         self._skipped = RateLimitedLog()  # pushes skipped for NaN/inf (nonfinite="skip")
         self._done = threading.Event()
         self._acceptor: Optional[Acceptor] = None
-        self._links: set[Link] = set()  # authenticated connections (bounded: connection_limit)
-        self._links_lock = threading.Lock()
+        self._links: Optional[LinkSet] = None  # authenticated connections (connection_limit)
         self._threads: list[threading.Thread] = []
-        self._heartbeats: Optional[Heartbeats] = None
         self._handlers = {Kind.HELLO: self._on_hello, Kind.BYE: self._on_bye,
                           Kind.PULL: self._on_pull, Kind.PUSH: self._on_push,
                           Kind.INIT: self._on_init, Kind.SET_LR: self._on_set_lr,
@@ -164,10 +163,11 @@ class PSServer:
         """
         host, port = endpoint_of(self.config.servers, self.index)
         key = require_secret(self.config, host, self.name)
+        self._links = LinkSet(self.config.connection_limit, self.config.heartbeat_interval,
+                              self._done, self._link_options())
         self._acceptor = self._listen(host, port, key)
         self.name = f"server {self.index} ({self.endpoint})"
         self._acceptor.name = self.name
-        self._heartbeats = Heartbeats(self.config.heartbeat_interval)
         self._started = time.monotonic()
         t = threading.Thread(target=self._serve, name="ps-handler", daemon=True)
         t.start()
@@ -203,21 +203,17 @@ class PSServer:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
-        with self._links_lock:
-            links, self._links = list(self._links), set()
-        for link in links:
-            link.close()
-        if self._heartbeats:
-            self._heartbeats.stop()
+        if self._links:
+            self._links.close()
 
     def _listen(self, host: str, port: int, key: bytes):
         """The front door of the configured transport (``PSConfig.transport``)."""
         if self.config.transport == "zmq":  # loopback-only comparison: no handshake
             from fleetx.ps.transport_zmq import Listener
-            return Listener(host, port, self.name, self._has_room, self._serve_link,
-                            self._link_options())
+            return Listener(host, port, self.name, self._links.has_room, self._links.serve,
+                            self._links.options())
         # a connection silent for dead_after is dead; a real handshake takes about a millisecond
-        return Acceptor(host, port, key, self.name, self._has_room, self._adopt,
+        return Acceptor(host, port, key, self.name, self._links.has_room, self._links.adopt,
                         handshake_timeout=min(HANDSHAKE_TIMEOUT, self.config.dead_after),
                         local=self.config.local_sockets)
 
@@ -229,27 +225,10 @@ class PSServer:
                 "max_frame_bytes": self.config.max_frame_bytes, "queued": True,
                 "max_inflight": _MAX_INFLIGHT}
 
-    def _has_room(self) -> bool:
-        with self._links_lock:
-            return len(self._links) < self.config.connection_limit and not self._done.is_set()
-
-    def _adopt(self, sock, peer: str) -> None:
-        """An authenticated connection (from the acceptor's thread): serve it."""
-        self._serve_link(Link(sock, f"connection from {peer}", **self._link_options()))
-
-    def _serve_link(self, link: Link) -> None:
-        with self._links_lock:
-            self._links.add(link)
-        self._heartbeats.add(link)
-        link.start()
-
     def _on_message(self, link: Link, msg: Message) -> None:
         self._queue.put((link, msg))
 
     def _on_link_lost(self, link: Link, reason: str) -> None:
-        self._heartbeats.discard(link)
-        with self._links_lock:
-            self._links.discard(link)
         if "rank" not in link.peer_info and reason != "connection closed by peer" and \
                 not reason.startswith("protocol error"):
             # a registered worker's loss and a malformed frame are reported by the handler;

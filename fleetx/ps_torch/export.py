@@ -46,6 +46,8 @@ def export(session: Any, layout: ModelLayout, model: torch.nn.Module, dirname: s
     comm = getattr(session, "comm", None)
     own = None
     if comm is not None:  # servers write their shards' weights
+        if hasattr(session, "flush_heter"):  # a heter worker's queued steps first
+            session.flush_heter()
         comm.flush()
         _, files = comm.client.save(writer.dirname, writer.save_id, "export").wait()
         writer.add(files)

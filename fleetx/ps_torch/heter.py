@@ -4,7 +4,7 @@ that runs a :class:`~fleetx.nn.HeterSection` there (``docs/heter.md``).
 Trainer ``r`` of a job with ``N`` heter workers talks to heter worker ``r % N`` over one
 authenticated link of the parameter server's transport (:mod:`fleetx.ps.handshake`,
 :mod:`fleetx.ps.transport`: the job's secret, framed messages, heartbeats, frame limits, no
-pickle), with the message kinds 31-35 of :class:`fleetx.ps.api.Kind`:
+pickle), with the message kinds 31-36 of :class:`fleetx.ps.api.Kind`:
 
 * ``HETER_HELLO``: rank, pid, host, the tables' fingerprint, the mode, the sections' names;
 * ``HETER_FORWARD``: a section's inputs (``meta``: section, sequence number, the trainer's step,
@@ -13,7 +13,9 @@ pickle), with the message kinds 31-35 of :class:`fleetx.ps.api.Kind`:
   inputs' gradients (the heter worker keeps the graph of every training forward until then);
 * ``HETER_STEP``: the trainer's optimizer step is done (the heter worker then pushes the
   section's gradients: at once in async mode, once every trainer's step is in, in sync mode);
-* ``HETER_BYE``: the trainer stops, or turns to inference (its sections then run locally).
+* ``HETER_BYE``: the trainer stops, or turns to inference (its sections then run locally);
+* ``HETER_FLUSH``: answered once every step the trainer reported reached the servers (sent
+  before a save or a barrier: an async heter worker queues its pushes).
 
 In a training forward :class:`_Remote` (a ``torch.autograd.Function``) sends the inputs and
 returns the outputs; its ``backward`` sends the outputs' gradients and returns the inputs'. An
@@ -22,6 +24,7 @@ evaluation forward (``no_grad`` or ``eval()``) keeps no graph on the heter worke
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -32,7 +35,8 @@ import torch
 
 from fleetx.nn.deferred import materialize
 from fleetx.nn.heter import HeterSection
-from fleetx.ps.api import Kind, PeerLostError, ProtocolError, PSConfig, PSConfigError, Tables
+from fleetx.ps.api import (Kind, PeerLostError, ProtocolError, PSConfig, PSConfigError,
+                           PSTimeoutError, Tables)
 from fleetx.ps.handshake import connect, resolve_secret
 from fleetx.ps.tracker import Handle, Tracker
 from fleetx.ps.transport import Heartbeats, Link, Message
@@ -100,9 +104,11 @@ def unpack(shapes: Any, bufs: Sequence[np.ndarray], what: str) -> list[torch.Ten
                 type(d) is int and d >= 0 for d in shape):
             raise ProtocolError(f"{what} {i}: shape {str(shape)[:60]} is not a list of at most "
                                 f"{MAX_DIMS} sizes >= 0")
-        if int(np.prod(shape, dtype=np.int64)) != buf.size or buf.dtype not in _TORCH:
+        # Python integers: a claimed shape whose product overflows 64 bits cannot wrap
+        # around to the buffer's size
+        if math.prod(shape) != buf.size or buf.dtype not in _TORCH:
             raise ProtocolError(f"{what} {i}: {buf.size} values of {buf.dtype} do not make "
-                                f"shape {shape}")
+                                f"shape {str(shape)[:120]}")
         out.append(torch.from_numpy(buf.reshape(shape)))
     return out
 
@@ -177,7 +183,7 @@ class HeterClient:
         meta = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
                 "fingerprint": self.tables.fingerprint(), "mode": c.mode.value,
                 "sections": self.names}
-        reply = self._request(Kind.HETER_HELLO, meta).wait(c.timeout)
+        reply = self._call(Kind.HETER_HELLO, meta)
         self.device = reply[0].meta.get("device", "?")
         log.info("trainer %d: sections %s run on %s, %s", self.rank, ", ".join(self.names),
                  self.name, self.device)
@@ -204,7 +210,7 @@ class HeterClient:
             seq = self._seq
         meta = {"section": name, "seq": seq, "step": self.steps, "train": train,
                 "shapes": shapes, "grad": wants}
-        reply, = self._request(Kind.HETER_FORWARD, meta, bufs).wait()
+        reply, = self._call(Kind.HETER_FORWARD, meta, bufs)
         device = inputs[0].device if inputs else torch.device("cpu")
         return seq, [t.to(device) for t in unpack(reply.meta.get("shapes"), reply.bufs,
                                                   f"{self.name}: output")]
@@ -212,21 +218,26 @@ class HeterClient:
     def backward(self, seq: int, grads: Sequence[torch.Tensor]) -> list:
         """The inputs' gradients (those that wanted one) for the outputs' ``grads``."""
         shapes, bufs = pack(grads, "gradient")
-        reply, = self._request(Kind.HETER_BACKWARD, {"seq": seq, "shapes": shapes}, bufs).wait()
+        reply, = self._call(Kind.HETER_BACKWARD, {"seq": seq, "shapes": shapes}, bufs)
         return unpack(reply.meta.get("shapes"), reply.bufs, f"{self.name}: input gradient")
 
     def step(self) -> None:
         """This trainer's optimizer step is done: the heter worker pushes the sections'
         gradients (in sync mode it answers once every trainer's step is in)."""
-        self._request(Kind.HETER_STEP, {"step": self.steps}).wait()
+        self._call(Kind.HETER_STEP, {"step": self.steps}, lockstep=True)
         self.steps += 1
+
+    def flush(self) -> None:
+        """Wait until every step this trainer reported reached the servers (the heter
+        worker's async pushes are queued, as a trainer's are); before a save or a barrier."""
+        self._call(Kind.HETER_FLUSH, {})
 
     def stop(self) -> None:
         """Say BYE (the heter worker answers once what this trainer sent reached the servers)
         and disconnect."""
         try:
             if self._link is not None and self._lost is None:
-                self._request(Kind.HETER_BYE, {}).wait(self.config.timeout)
+                self._call(Kind.HETER_BYE, {})
         finally:
             if self._link is not None:
                 self._link.close()
@@ -234,6 +245,25 @@ class HeterClient:
                 self._heartbeats.stop()
 
     # -- plumbing -------------------------------------------------------------------------
+    def _call(self, kind: Kind, meta: dict, bufs: Sequence[np.ndarray] = (),
+              lockstep: bool = False) -> list:
+        """Send a request and wait for its reply, at most ``FLEETX_TIMEOUT`` seconds (twice as
+        long for a step, which in sync mode waits for the other trainers: the heter worker
+        names one that holds up the lock-step after ``FLEETX_TIMEOUT``).
+
+        Raises:
+            PSTimeoutError: no reply in time (naming the heter worker and the request).
+            PeerLostError: the heter worker was lost.
+            RemoteError: it refused the request.
+        """
+        timeout = self.config.timeout * (2 if lockstep else 1)
+        try:
+            return self._request(kind, meta, bufs).wait(timeout)
+        except PSTimeoutError:
+            raise PSTimeoutError(f"{self.name} did not answer {kind.name} of trainer "
+                                 f"{self.rank} within {timeout:g} s (FLEETX_TIMEOUT); it is "
+                                 "alive but its sections did not return in time") from None
+
     def _request(self, kind: Kind, meta: dict, bufs: Sequence[np.ndarray] = ()) -> Handle:
         if self._lost is not None:
             raise self._lost

@@ -14,14 +14,17 @@ One thread owns the sections and handles every request in arrival order (``_serv
   keeps its graph (at most :data:`MAX_PENDING` per trainer) until its ``HETER_BACKWARD``;
 * ``HETER_BACKWARD``: back-propagate the outputs' gradients, answer the inputs' gradients; the
   parameters' gradients accumulate. A forward runs on the weights of the moment
-  (:class:`_Section`: fresh tensors after every push, never changed in place), so in async
+  (:class:`~fleetx.ps_torch.heter_sections.Section`: fresh tensors after every push, never
+  changed in place), so in async
   mode a graph still waiting for its backward when another trainer's step loads new weights
   back-propagates through the weights its forward used, as any async worker's gradient does;
 * ``HETER_STEP``: async mode pushes the accumulated gradients at once and answers; sync mode
   (lock-step) answers every trainer once all of them reported the step, after pushing the sum
   of their gradients divided by their number, exactly as the servers average the trainers'
   pushes in a sync round: the job then trains as the same job without heter workers;
-* ``HETER_BYE``: the trainer leaves (answered once its gradients reached the servers).
+* ``HETER_BYE``: the trainer leaves (answered once its gradients reached the servers);
+* ``HETER_FLUSH``: answered once the pushes queued so far reached the servers (a trainer
+  sends it before a save or a barrier).
 
 Liveness is the parameter server's: a trainer that dies, closes its link or falls silent for
 ``dead_after`` is lost, and so is one that does not connect within ``timeout``, or that sends
@@ -43,46 +46,21 @@ from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor
 from fleetx.ps.api import (CommunicatorConfig, Kind, PeerLostError, ProtocolError, PSConfig,
                            PSConfigError, PSError, PSMode, RequestError, endpoint_of)
 from fleetx.ps.handshake import require_secret
-from fleetx.ps.transport import Heartbeats, Link, Message
+from fleetx.ps.links import LinkSet
+from fleetx.ps.transport import Link, Message
 from fleetx.ps_torch.heter import check_sections, pack, unpack
+from fleetx.ps_torch.heter_sections import Section
 from fleetx.ps_torch.layout import ModelLayout
 from fleetx.ps_torch.worker import make_communicator
 
-__all__ = ["HeterWorker", "heter_device", "MAX_PENDING", "DEVICE_GUARDS"]
+__all__ = ["HeterWorker", "MAX_PENDING"]
 
 log = logging.getLogger("fleetx.ps")
 
 #: training forwards of one trainer that may wait for their backward at once
 MAX_PENDING = 64
-#: ``a_sync_configs["heter_worker_device_guard"]`` values
-DEVICE_GUARDS = ("cpu", "gpu", "xpu")
 _MAX_INFLIGHT = 16
 _STALL_CHECK_S = 0.25
-
-
-def heter_device(guard: str, cuda: Optional[bool] = None, xpu: Optional[bool] = None
-                 ) -> tuple[torch.device, str]:
-    """The device a heter worker runs its sections on, and why.
-
-    ``"gpu"`` is CUDA when this process sees a CUDA device, ``"xpu"`` torch's XPU when it sees
-    one; otherwise, and for ``"cpu"``, the CPU (the note says so).
-
-    Raises:
-        PSConfigError: ``guard`` is not one of :data:`DEVICE_GUARDS`.
-    """
-    if guard not in DEVICE_GUARDS:
-        raise PSConfigError(f"heter_worker_device_guard={guard!r}: expected one of "
-                            f"{', '.join(DEVICE_GUARDS)}")
-    if guard == "gpu":
-        if torch.cuda.is_available() if cuda is None else cuda:
-            return torch.device("cuda", 0), "heter_worker_device_guard='gpu': CUDA device 0"
-        return torch.device("cpu"), "heter_worker_device_guard='gpu', but no CUDA device: CPU"
-    if guard == "xpu":
-        seen = (hasattr(torch, "xpu") and torch.xpu.is_available()) if xpu is None else xpu
-        if seen:
-            return torch.device("xpu", 0), "heter_worker_device_guard='xpu': XPU device 0"
-        return torch.device("cpu"), "heter_worker_device_guard='xpu', but no XPU device: CPU"
-    return torch.device("cpu"), "heter_worker_device_guard='cpu': CPU"
 
 
 class _LinkEnded:
@@ -90,43 +68,6 @@ class _LinkEnded:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
-
-
-class _Section:
-    """A section's module and the parameter tensors its forwards run on.
-
-    The tensors are replaced (never changed in place) when new weights arrive, so a graph that
-    still waits for its backward keeps the weights its forward saw; its backward leaves the
-    gradients on those tensors, and :meth:`collect` adds them to the step's sums.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
-        self.sums: dict[str, torch.Tensor] = {}
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Forwards from now on use the module's current weights."""
-        self.weights = {n: p.detach().clone().requires_grad_(p.requires_grad)
-                        for n, p in self.module.named_parameters()}
-
-    def __call__(self, inputs: list) -> tuple:
-        return _as_tuple(torch.func.functional_call(self.module, self.weights, tuple(inputs)))
-
-    @torch.no_grad()
-    def collect(self, weights: dict) -> None:
-        """Add the gradients a backward left on ``weights`` (a forward's) to the sums."""
-        for n, w in weights.items():
-            if w.grad is not None:
-                self.sums[n] = self.sums[n] + w.grad if n in self.sums else w.grad
-                w.grad = None
-
-    def hand_over(self) -> None:
-        """Put the sums where the layout reads gradients (the parameters' ``grad``), and
-        start new ones."""
-        for n, p in self.module.named_parameters():
-            p.grad = self.sums.get(n)
-        self.sums = {}
 
 
 class _Trainer:
@@ -147,7 +88,8 @@ class HeterWorker:
         index: this heter worker's index.
         layout: the model's layout (its ``heter`` sections and ``heter.*`` tables are used).
         comm: the communicator's knobs (``a_sync_configs``).
-        device: where the sections run (:func:`heter_device`).
+        device: where the sections run
+            (:func:`~fleetx.ps_torch.heter_sections.heter_device`).
 
     Raises:
         PSConfigError: the model has no HeterSection, or GEO mode.
@@ -166,7 +108,7 @@ class HeterWorker:
             raise PSConfigError("heter workers train in sync or async mode, not GEO")
         self.config, self.index, self.device = config, index, device
         self.name = f"heter worker {index} ({config.heter_workers[index]})"
-        self.sections = {n: _Section(s.module.to(device)) for n, s in layout.heter.items()}
+        self.sections = {n: Section(s.module.to(device)) for n, s in layout.heter.items()}
         self.layout = layout.restricted(layout.heter_tables())
         self.lockstep = config.mode == PSMode.SYNC
         self.expected = [r for r in range(config.num_workers)
@@ -174,8 +116,6 @@ class HeterWorker:
         self._comm_config = comm
         self._queue: queue.Queue = queue.Queue()
         self._trainers: dict[int, _Trainer] = {}
-        self._links: set[Link] = set()
-        self._links_lock = threading.Lock()
         self._waiting: list[tuple[_Trainer, Message]] = []  # STEP / BYE replies of this step
         self._reported: set[int] = set()
         self._step = 0  # lock-step: steps completed
@@ -185,7 +125,7 @@ class HeterWorker:
         self._done = threading.Event()
         self._handlers = {Kind.HETER_HELLO: self._on_hello, Kind.HETER_FORWARD: self._on_forward,
                           Kind.HETER_BACKWARD: self._on_backward, Kind.HETER_STEP: self._on_step,
-                          Kind.HETER_BYE: self._on_bye}
+                          Kind.HETER_BYE: self._on_bye, Kind.HETER_FLUSH: self._on_flush}
 
     # ------------------------------------------------------------------ life cycle
     def run(self) -> None:
@@ -204,10 +144,15 @@ class HeterWorker:
             section.refresh()
         host, port = endpoint_of(self.config.heter_workers, self.index)
         key = require_secret(self.config, host, self.name)
-        self._heartbeats = Heartbeats(self.config.heartbeat_interval)
-        self._acceptor = Acceptor(host, port, key, self.name, self._has_room, self._adopt,
-                                  handshake_timeout=min(HANDSHAKE_TIMEOUT,
-                                                        self.config.dead_after)).start()
+        self._links = LinkSet(2 * len(self.expected) + 16, self.config.heartbeat_interval,
+                              self._done, {"on_message": self._on_message,
+                                           "on_lost": self._on_link_lost,
+                                           "dead_after": self.config.dead_after,
+                                           "max_frame_bytes": self.config.max_frame_bytes,
+                                           "queued": True, "max_inflight": _MAX_INFLIGHT})
+        self._acceptor = Acceptor(host, port, key, self.name, self._links.has_room,
+                                  self._links.adopt, handshake_timeout=min(
+                                      HANDSHAKE_TIMEOUT, self.config.dead_after)).start()
         self._started = time.monotonic()
         log.info("%s: serving sections %s on %s for trainers %s, %s mode", self.name,
                  ", ".join(self.sections), self.device, self.expected,
@@ -224,32 +169,12 @@ class HeterWorker:
 
     def _close(self) -> None:
         self._acceptor.close()
-        with self._links_lock:
-            links, self._links = list(self._links), set()
-        for link in links:
-            link.close()
-        self._heartbeats.stop()
-
-    def _has_room(self) -> bool:
-        with self._links_lock:
-            return len(self._links) < 2 * len(self.expected) + 16 and not self._done.is_set()
-
-    def _adopt(self, sock, peer: str) -> None:
-        link = Link(sock, f"connection from {peer}", self._on_message, self._on_link_lost,
-                    self.config.dead_after, max_frame_bytes=self.config.max_frame_bytes,
-                    queued=True, max_inflight=_MAX_INFLIGHT)
-        with self._links_lock:
-            self._links.add(link)
-        self._heartbeats.add(link)
-        link.start()
+        self._links.close()
 
     def _on_message(self, link: Link, msg: Message) -> None:
         self._queue.put((link, msg))
 
     def _on_link_lost(self, link: Link, reason: str) -> None:
-        self._heartbeats.discard(link)
-        with self._links_lock:
-            self._links.discard(link)
         self._queue.put((link, _LinkEnded(reason)))
 
     # ------------------------------------------------------------------ the handler thread
@@ -408,6 +333,10 @@ class HeterWorker:
         self._try_step()
         return msg.reply()
 
+    def _on_flush(self, link: Link, t: _Trainer, msg: Message) -> Message:
+        _servers(self.comm.flush)  # async: the queued pushes; lock-step pushes are done
+        return msg.reply()
+
     # ------------------------------------------------------------------ steps and pushes
     def _members(self) -> list[int]:
         return [r for r in self.expected
@@ -492,12 +421,3 @@ def _servers(call):
         return call()
     except PSError as e:
         raise _Fatal(e) from e
-
-
-def _as_tuple(value) -> tuple:
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
-        return tuple(value)
-    raise TypeError(f"a HeterSection's module returned {type(value).__name__}; it must return "
-                    "a tensor or a tuple of tensors")

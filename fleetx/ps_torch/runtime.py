@@ -44,7 +44,8 @@ from fleetx.optim.wrapper import OptimizerWrapper
 from fleetx.ps import checkpoint, kernels
 from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, StateError
 from fleetx.ps_torch.heter import attach, detach
-from fleetx.ps_torch.heter_worker import HeterWorker, heter_device
+from fleetx.ps_torch.heter_sections import heter_device
+from fleetx.ps_torch.heter_worker import HeterWorker
 from fleetx.ps_torch.inference import NO_STEP, InferenceSession
 from fleetx.ps_torch.layout import LocalSparseBackend, ModelLayout, RemoteSparseBackend
 from fleetx.ps_torch.prefetch import PrefetchLoader, prefetch_groups, table_ids
@@ -141,18 +142,27 @@ class _RemoteSession:
         self.comm.set_lr(lr, tables)
 
     def save(self, dirname: str, mode: int = 0) -> None:
+        self.flush_heter()
         saving.save_remote(self.comm, self.comm.dense_names, dirname, mode)
         self._reload()
 
     def barrier(self, name: str) -> None:
+        self.flush_heter()
         self.comm.barrier(name)
         self._reload()
+
+    def flush_heter(self) -> None:
+        """The sections' steps this trainer reported reach the servers before a save or a
+        barrier (an async heter worker queues its pushes, as an async trainer does)."""
+        if self.heter is not None:
+            self.heter.flush()
 
     def refresh(self) -> None:
         """Async: wait until this worker's queued steps are applied and load the servers'
         dense weights (the last reply may lag several steps). Sync steps already return them;
         a GEO worker's own model is what it evaluates."""
         if self.mode == PSMode.ASYNC:
+            self.flush_heter()
             self.comm.flush()
             names = [t.name for t in self.layout.tables.dense]
             if names:

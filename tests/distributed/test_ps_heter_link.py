@@ -7,6 +7,7 @@ import dataclasses
 import queue
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ from fleetx.ps import AuthError, PSConfig  # noqa: E402
 from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, Kind, StateError  # noqa: E402
 from fleetx.ps.handshake import connect  # noqa: E402
 from fleetx.ps.transport import Link, Message  # noqa: E402
-from fleetx.ps_torch.heter_worker import heter_device  # noqa: E402
+from fleetx.ps_torch.heter_sections import heter_device  # noqa: E402
 from fleetx.ps_torch.layout import ModelLayout  # noqa: E402
 
 LR = 0.5
@@ -187,3 +188,133 @@ def test_the_ps_config_carries_the_heter_workers():
     assert config.num_heter_workers == 1 and config.connection_limit == 2 * 3 + 16
     with pytest.raises(ValueError, match=r"PSConfig.heter_workers: 'nowhere' is not host:port"):
         dataclasses.replace(config, heter_workers=("nowhere",))
+
+
+def test_a_save_right_after_async_training_holds_every_section_step(tmp_path, monkeypatch):
+    """The heter worker's pushes are slowed down (0.3 s each): without HETER_FLUSH the save
+    would miss the steps still queued there."""
+    from fleetx.ps_torch import heter_worker
+
+    def slow_communicator(*args, **kwargs):
+        comm = make(*args, **kwargs)
+        push = comm.client.push
+
+        def slow_push(*a, **kw):
+            time.sleep(0.3)
+            return push(*a, **kw)
+        comm.client.push = slow_push
+        return comm
+    make = heter_worker.make_communicator
+    monkeypatch.setattr(heter_worker, "make_communicator", slow_communicator)
+
+    def trainer(config):
+        rt, model = hc.runtime(config, "worker", 0, LR)
+        rt.init_worker()
+        for step in range(4):
+            hc.loss_of(model, *hc.batch(step)).backward()
+            rt.step()
+            rt.zero_grad()
+        rt.save_persistables(str(tmp_path / "ckpt"))  # right away: steps still queued
+        rt.init_inference()  # BYE: every step reached the servers; the MLP comes back
+        out = hc.weights(model)
+        rt.stop_worker()
+        return out
+
+    config = dataclasses.replace(cluster(workers=1, mode="async"), save_root=str(tmp_path))
+    roles = hc.Roles()
+    roles.start("server", lambda: hc.serve(config, "server", LR))
+    roles.start("heter", lambda: hc.serve(config, "heter", LR))
+    roles.start("trainer 0", lambda: trainer(config))
+    roles.join()
+    assert not roles.errors, roles.errors
+    final = roles.results["trainer 0"]
+    assert not np.allclose(final["mlp.0.weight"], hc.weights(hc.make())["mlp.0.weight"])
+    plain = dataclasses.replace(config, heter_workers=(), servers=(
+        f"127.0.0.1:{free_ports(1)[0]}",))
+    roles = hc.Roles()
+    roles.start("server", lambda: hc.serve_save(plain, str(tmp_path / "ckpt"), LR))
+    roles.start("worker 0", lambda: hc.score(plain, 0, LR))
+    roles.join()
+    assert not roles.errors, roles.errors
+    saved = roles.results["worker 0"]
+    for key in ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"):
+        np.testing.assert_array_equal(saved[key], final[key], err_msg=key)
+
+
+def test_a_heter_worker_that_stops_answering_is_named_after_the_timeout(monkeypatch):
+    """Its link stays alive (heartbeats) while its section never returns: the trainer's
+    forward fails after FLEETX_TIMEOUT (here 2 s) naming the heter worker, not a hang."""
+    import threading
+
+    from fleetx.ps import PSTimeoutError
+    from fleetx.ps_torch import heter_sections
+    gate = threading.Event()
+    call = heter_sections.Section.__call__
+
+    def stuck(self, inputs):
+        gate.wait(60)
+        return call(self, inputs)
+    monkeypatch.setattr(heter_sections.Section, "__call__", stuck)
+    config = dataclasses.replace(cluster(workers=1, mode="async"), timeout=2.0)
+
+    def trainer():
+        rt, model = hc.runtime(config, "worker", 0, LR)
+        rt.init_worker()
+        start = time.monotonic()
+        try:
+            with pytest.raises(PSTimeoutError, match=rf"heter worker 0 \({config.heter_workers[0]}"
+                                                     r"\) did not answer HETER_FORWARD of trainer "
+                                                     r"0 within 2 s \(FLEETX_TIMEOUT\)"):
+                hc.loss_of(model, *hc.batch(0))
+            return time.monotonic() - start
+        finally:
+            gate.set()
+            rt.stop_worker()
+
+    roles = hc.Roles()
+    roles.start("server", lambda: hc.serve(config, "server", LR))
+    roles.start("heter", lambda: hc.serve(config, "heter", LR))
+    roles.start("trainer 0", trainer)
+    roles.join()
+    assert "trainer 0" not in roles.errors, roles.errors["trainer 0"]
+    assert 1.9 < roles.results["trainer 0"] < 10
+
+
+def test_pending_graphs_are_capped_without_a_deadlock(monkeypatch):
+    """A trainer's training forwards wait for their backward on the heter worker, at most
+    MAX_PENDING (here 4) at once: one more is refused at once (waiting would deadlock: only
+    this trainer's backward frees room), a backward or a step frees room, evaluation forwards
+    keep nothing."""
+    from fleetx.ps import RemoteError
+    from fleetx.ps_torch import heter_worker
+    monkeypatch.setattr(heter_worker, "MAX_PENDING", 4)
+    config = cluster(workers=1, mode="async")
+    x = torch.rand(2, 3 * hc.DIM)
+
+    def trainer():
+        rt, _ = hc.runtime(config, "worker", 0, LR)
+        rt.init_worker()
+        client = rt._session.heter
+        try:
+            seqs = [client.forward("mlp", [x], True, [True])[0] for _ in range(4)]
+            with pytest.raises(RemoteError, match=r"HETER_FORWARD: trainer 0 \(pid \d+ on .*\) "
+                                                  r"has 4 forwards waiting for their backward "
+                                                  r"\(at most 4\)"):
+                client.forward("mlp", [x], True, [True])
+            for _ in range(10):  # no graph kept: never refused
+                client.forward("mlp", [x], False, [False])
+            grad, = client.backward(seqs[0], [torch.ones(2, 1)])
+            assert grad.shape == x.shape
+            client.forward("mlp", [x], True, [True])  # room again
+            client.step()  # a finished step drops the graphs still waiting
+            return [client.forward("mlp", [x], True, [True])[0] for _ in range(4)]
+        finally:
+            rt.stop_worker()
+
+    roles = hc.Roles()
+    roles.start("server", lambda: hc.serve(config, "server", LR))
+    roles.start("heter", lambda: hc.serve(config, "heter", LR))
+    roles.start("trainer 0", trainer)
+    roles.join()
+    assert not roles.errors, roles.errors
+    assert len(roles.results["trainer 0"]) == 4

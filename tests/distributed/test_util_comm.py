@@ -36,6 +36,11 @@ def _collectives(rank: int, world: int, out: str) -> None:
         "endpoints": fleet.worker_endpoints(),
         "num": fleet.worker_num(),
     }
+    try:  # worker 1 would send 824 bytes: every worker refuses, before any data moves
+        u.all_to_all([np.zeros(3), np.zeros(rank * 100)], max_bytes=800)
+    except ValueError as e:
+        r["a2a_cap"] = str(e)
+    r["a2a_after"] = u.all_to_all([np.array([rank]), np.array([rank])])  # still in step
     fleet.barrier_worker()
     torch.save(r, f"{out}/rank{rank}.pt")
 
@@ -56,6 +61,9 @@ def test_util_collectives(tmp_path):
         assert [a.tolist() for a in r["a2a"]] == ([[0, 0], [1, 0]] if rank == 0 else
                                                   [[0], [10, 11]])
         assert r["num"] == 2
+        assert r["a2a_cap"] == ("fleet.util.all_to_all: worker 1 sends 824 bytes in one "
+                                "exchange, more than max_bytes=800; exchange in several parts")
+        assert [a.tolist() for a in r["a2a_after"]] == [[0], [1]]
 
 
 def test_missing_peer_is_named(monkeypatch):
