@@ -36,9 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from ports import free_port
+from ports import free_port, start_processes
 from ratios import quartiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,7 +215,7 @@ def main() -> None:
                         help="accuracy: use only this many training images (0: all)")
     parser.add_argument("--out", default="/tmp/fleetx_collective_comm.json")
     args = parser.parse_args()
-    mp.start_processes(_entry, args=(args.nproc, free_port(), args.part, args, args.out),
+    start_processes(_entry, args=(args.nproc, free_port(), args.part, args, args.out),
                        nprocs=args.nproc, start_method="spawn")
     with open(args.out) as f:
         data = json.load(f)

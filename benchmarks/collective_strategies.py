@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ports import start_processes
 from ratios import quartiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,7 +255,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_entry, args=(args.nproc, port, args), nprocs=args.nproc,
+    start_processes(_entry, args=(args.nproc, port, args), nprocs=args.nproc,
                        start_method="spawn")
     with open(args.out) as f:
         data = json.load(f)

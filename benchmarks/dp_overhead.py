@@ -26,11 +26,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from ports import free_port
+from ports import free_port, start_processes
 from ratios import quartiles
 
 # model -> (layer widths, batch per rank, steps per window, warm-up steps)
@@ -130,7 +129,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pairs < 20 and not args.smoke:
         parser.error("--pairs must be >= 20 for a reportable figure (add --smoke for a quick run)")
-    mp.start_processes(_run, args=(2, free_port(), args.model, args.pairs, args.out,
+    start_processes(_run, args=(2, free_port(), args.model, args.pairs, args.out,
                                    args.control), nprocs=2, start_method="spawn")
     with open(args.out) as f:
         data = json.load(f)

@@ -46,8 +46,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from ports import free_port
+from ports import free_port, start_processes
 from ratios import quartiles
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "gpt"))
@@ -231,7 +230,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.batch % 2 or args.batch % args.micro:
         parser.error("--batch must be even and a multiple of --micro")
-    mp.start_processes(_entry, args=(2, free_port(), args, args.out), nprocs=2,
+    start_processes(_entry, args=(2, free_port(), args, args.out), nprocs=2,
                        start_method="spawn")
     with open(args.out) as f:
         data = json.load(f)

@@ -40,11 +40,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ports import free_port  # noqa: E402
+from ports import free_port, start_processes  # noqa: E402
 
 
 class _Sleep(torch.autograd.Function):
@@ -199,7 +198,7 @@ def _stage_run(rank: int, world: int, port: int, args: argparse.Namespace, out: 
 
 def measure(p: int, args: argparse.Namespace) -> list:
     out = f"/tmp/fleetx_pipeline_bench_{os.getpid()}_{p}.pt"
-    mp.start_processes(_stage_run, args=(p, free_port(), args, out), nprocs=p,
+    start_processes(_stage_run, args=(p, free_port(), args, out), nprocs=p,
                        start_method="spawn")
     per_stage = torch.load(out)
     os.remove(out)

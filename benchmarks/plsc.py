@@ -33,10 +33,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ports import free_port  # noqa: E402
+from ports import free_port, start_processes  # noqa: E402
 
 
 def head_bytes(head: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -81,7 +80,7 @@ def _rank_run(rank: int, world: int, port: int, args: argparse.Namespace, out: s
 def measure(degree: int, args: argparse.Namespace) -> tuple:
     """``(head bytes per rank, peak RSS per rank, median step seconds)`` at ``mp = degree``."""
     out = f"/tmp/fleetx_plsc_bench_{os.getpid()}_{degree}.pt"
-    mp.start_processes(_rank_run, args=(degree, free_port(), args, out), nprocs=degree,
+    start_processes(_rank_run, args=(degree, free_port(), args, out), nprocs=degree,
                        start_method="spawn")
     ranks = torch.load(out)
     os.remove(out)

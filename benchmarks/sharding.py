@@ -40,9 +40,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
-from ports import free_port
+from ports import free_port, start_processes
 from ratios import quartiles
 
 from fleetx.strategy.measured import SavedForBackward
@@ -218,7 +217,7 @@ def main() -> None:
     results = {}
     for world in (int(n) for n in args.nproc.split(",")):
         out = f"{args.out}.{world}"
-        mp.start_processes(_entry, args=(world, free_port(), args, out), nprocs=world,
+        start_processes(_entry, args=(world, free_port(), args, out), nprocs=world,
                            start_method="spawn")
         with open(out) as f:
             data = json.load(f)

@@ -44,10 +44,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
-from ports import free_port
+from ports import free_port, start_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DGC_FLAGS = {"dgc": True, "dgc_configs": {"rampup_begin_step": 0, "rampup_step": 1,
@@ -209,7 +208,7 @@ def count(world: int, args) -> dict:
     """Spawn ``world`` ranks; per case: every rank's bytes sent and received per step, and the
     formula's bytes sent."""
     with tempfile.TemporaryDirectory(prefix="fleetx_wire_") as out:
-        mp.start_processes(_rank, args=(world, (free_port(), free_port()), args, out),
+        start_processes(_rank, args=(world, (free_port(), free_port()), args, out),
                            nprocs=world, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     model = make_model(args.model)[0]

@@ -21,6 +21,10 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
     import torch
     torch.set_num_threads(1)
     fn(rank, world, *args)
+    # as fleetrun ends its processes: no interpreter teardown, where a gloo thread freeing a
+    # work object can abort the process (docs/reliability.md)
+    from fleetx.launch.script import exit_cleanly
+    exit_cleanly(0)
 
 
 def run(fn: Callable, world: int, *args: Any, deadline: Optional[float] = None) -> None:

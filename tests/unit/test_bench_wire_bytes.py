@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import wire_bytes as wb  # noqa: E402
@@ -57,7 +56,7 @@ def _raw_rank(rank: int, world: int, ports: tuple, out: str) -> None:
 
 def test_socket_count_matches_ring_formulas_for_raw_collectives():
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_raw_rank, args=(WORLD, (wb.free_port(), wb.free_port()), out),
+        wb.start_processes(_raw_rank, args=(WORLD, (wb.free_port(), wb.free_port()), out),
                            nprocs=WORLD, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)]
     nbytes = 4 * ELEMENTS
