@@ -49,12 +49,14 @@ import threading
 import time
 from typing import Any, Optional
 
-from fleetx.checkpoint import CheckpointError, SaveWriter
+from fleetx.checkpoint import CheckpointError
 from fleetx.ps import kernels, readonly, requests
 from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, ProtocolError, PSConfig,
                            PSError, Tables, endpoint_of)
 from fleetx.ps.checkpoint import confine
 from fleetx.ps.requests import Push
+from fleetx.ps.roster import Roster
+from fleetx.ps.shard_requests import ShardRequests
 from fleetx.ps.rounds import Waiting, Waits, stalled
 from fleetx.ps.shard import Shard
 from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor, RateLimitedLog
@@ -78,16 +80,6 @@ class _Lost:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
-
-
-class _Worker:
-    __slots__ = ("rank", "name", "link", "state", "last_request", "infer")
-
-    def __init__(self, rank: int, name: str, link: Optional[Link]) -> None:
-        self.rank, self.name, self.link, self.state = rank, name, link, "active"
-        self.last_request = time.monotonic()  # heartbeats do not count: they prove life only
-        self.infer = False  # turned to inference: no writes, no sync rounds
-
 
 
 class PSServer:
@@ -129,8 +121,7 @@ class PSServer:
         if load_dir:
             log.info("%s: loaded from %s", self.name, load_dir)
         self._queue: queue.Queue = queue.Queue()
-        self._workers: dict[int, _Worker] = {}
-        self._lost: list[PeerLostError] = []
+        self.roster = Roster(config, read_only, self.name, on_change=self._progress)
         self._waits = Waits()  # sync rounds and barriers
         self._requests = 0
         self._refused = RateLimitedLog()  # requests refused, by kind
@@ -139,12 +130,12 @@ class PSServer:
         self._acceptor: Optional[Acceptor] = None
         self._links: Optional[LinkSet] = None  # authenticated connections (connection_limit)
         self._threads: list[threading.Thread] = []
+        tables = ShardRequests(config, self.shard, self.save_root)
         self._handlers = {Kind.HELLO: self._on_hello, Kind.BYE: self._on_bye,
-                          Kind.PULL: self._on_pull, Kind.PUSH: self._on_push,
-                          Kind.INIT: self._on_init, Kind.SET_LR: self._on_set_lr,
-                          Kind.BARRIER: self._on_barrier, Kind.SAVE: self._on_save,
-                          Kind.STATS: self._on_stats, Kind.SHRINK: self._on_shrink,
-                          Kind.INFER: self._on_infer}
+                          Kind.PUSH: self._on_push, Kind.BARRIER: self._on_barrier,
+                          Kind.INFER: self._on_infer,
+                          Kind.STATS: lambda link, msg: msg.reply(self.stats()),
+                          **tables.handlers()}
 
     # ------------------------------------------------------------------ life cycle
 
@@ -167,8 +158,8 @@ class PSServer:
                               self._done, self._link_options())
         self._acceptor = self._listen(host, port, key)
         self.name = f"server {self.index} ({self.endpoint})"
-        self._acceptor.name = self.name
-        self._started = time.monotonic()
+        self._acceptor.name = self.roster.name = self.name
+        self.roster.started = time.monotonic()
         t = threading.Thread(target=self._serve, name="ps-handler", daemon=True)
         t.start()
         self._threads.append(t)
@@ -192,8 +183,8 @@ class PSServer:
                 pass
         finally:
             self.stop()
-        if self._lost:
-            raise self._lost[0]
+        if self.roster.lost:
+            raise self.roster.lost[0]
 
     def stop(self) -> None:
         """Stop serving and close every connection."""
@@ -255,7 +246,7 @@ class PSServer:
                 self._dispatch(link, item)
                 link.handled()  # the link may hand over its next request
             now = time.monotonic()
-            self._check_registration(now)
+            self.roster.check_registration(now)
             if now >= next_stall_check:  # timeouts are seconds long: not on every request
                 self._check_stalls(now)
                 next_stall_check = now + _STALL_CHECK_S
@@ -264,7 +255,7 @@ class PSServer:
                 log.info("%s: %s", self.name, self._stats_line(rate))
                 next_log, last_requests, last_t = now + self.config.log_interval, \
                     self._requests, now
-            if self._finished():
+            if self.roster.finished():
                 self._done.set()
 
     def _dispatch(self, link: Link, msg: Message) -> None:
@@ -276,7 +267,7 @@ class PSServer:
                 raise ProtocolError(f"unexpected {msg.kind.name} frame")
             requests.check_meta(msg.kind.name, msg.meta)
             self._check_writable(link, msg)
-            worker = self._workers.get(link.peer_info.get("rank"))
+            worker = self.roster.of(link)
             if worker is not None and worker.link is link:
                 worker.last_request = time.monotonic()
             reply = handler(link, msg)
@@ -313,112 +304,40 @@ class PSServer:
             except PSError:
                 pass
 
-    def _finished(self) -> bool:
-        states = [self._workers[r].state if r in self._workers else None
-                  for r in self._registering()]
-        return all(s in ("finished", "lost") for s in states)
-
-    def _registering(self) -> range:
-        """Ranks that must connect: the trainers, then the heter workers (an inference-only
-        job runs the heter sections on the trainers: its heter workers do not connect)."""
-        heter = 0 if self.read_only else self.config.num_heter_workers
-        return range(self.config.num_workers + heter)
-
     def _check_writable(self, link: Link, msg: Message) -> None:
         """Inference: refuse anything that would change a table (:mod:`.readonly`)."""
         what = readonly.write_of(msg.kind, msg.meta)
-        worker = self._workers.get(link.peer_info.get("rank"))
+        worker = self.roster.of(link)
         if what and (self.read_only or (worker is not None and worker.infer)):
             raise readonly.refusal(what, self.name, self.read_only, worker and worker.name)
 
     # ------------------------------------------------------------------ workers
 
     def _on_hello(self, link: Link, msg: Message) -> Message:
-        m = msg.meta
-        rank = m.get("rank")
-        ranks = self._registering()
-        if type(rank) is not int or rank not in ranks:
-            raise PSConfigError(f"HELLO: worker rank {rank!r} is not an integer in "
-                              f"[0, {len(ranks)})")
-        infer = requests.optional_bool("HELLO", m, "infer")
-        if self.read_only and not infer:
-            raise PSConfigError(f"worker {rank} wants to train, but {self.name} serves an "
-                                "inference-only job (read-only tables); start training jobs "
-                                "with fleet.init_server() and fleet.run_server()")
-        if m.get("fingerprint") != self.tables.fingerprint():
-            raise PSConfigError(f"worker {rank} has another table layout than this server; "
-                              "build the tables from the same model and optimizer everywhere")
-        if m.get("mode") != self.config.mode.value:
-            raise PSConfigError(f"worker {rank} runs mode {m.get('mode')!r}, this server runs "
-                              f"{self.config.mode.value!r}")
-        old = self._workers.get(rank)
-        if old is not None:
-            raise PSConfigError(f"worker rank {rank} already {old.state} ({old.name})")
-        who = "worker" if rank < self.config.num_workers else \
-            f"heter worker {rank - self.config.num_workers}, rank"
-        link.name = f"{who} {rank} (pid {m.get('pid')} on {m.get('host')})"
-        link.peer_info["rank"] = rank
-        self._workers[rank] = _Worker(rank, link.name, link)
-        self._workers[rank].infer = infer
+        self.roster.register(link, msg.meta, self.tables.fingerprint(), self.config.mode.value)
         return msg.reply({"server": self.index, "initialized": sorted(self.shard.initialized),
                           "read_only": self.read_only})
 
     def _on_infer(self, link: Link, msg: Message) -> Message:
         """The worker turned to inference: refuse its writes from now on, and let the sync
         rounds go on without it (it still counts in barriers)."""
-        self._workers[link.peer_info["rank"]].infer = True
-        self._progress()
+        self.roster.turned_to_inference(link)
         return msg.reply()
 
     def _on_bye(self, link: Link, msg: Message) -> Message:
-        self._workers[link.peer_info["rank"]].state = "finished"
-        self._progress()
+        self.roster.stopped(link)
         return msg.reply()
 
     def _worker_lost(self, link: Link, reason: str) -> None:
         if reason.startswith("protocol error"):  # the transport's words for a malformed frame
             self._refused.warning("frame", "%s: closed %s: %s", self.name, link.name, reason)
-        rank = link.peer_info.get("rank")
-        w = self._workers.get(rank) if rank is not None else None
-        if w is None or w.link is not link or w.state != "active":
-            return  # an unregistered connection, or a clean close after BYE
-        self._mark_lost(w, reason)
-
-    def _mark_lost(self, w: _Worker, reason: str) -> None:
-        w.state = "lost"
-        err = PeerLostError(w.name, reason)
-        self._lost.append(err)
-        log.error("%s: %s", self.name, err)
-        self._progress()
-
-    def _check_registration(self, now: float) -> None:
-        if now - self._started < self.config.timeout or len(self._workers) == \
-                len(self._registering()):
-            return
-        for rank in self._registering():
-            if rank not in self._workers:
-                self._workers[rank] = _Worker(rank, f"worker {rank}", None)
-                self._mark_lost(self._workers[rank], "did not connect within "
-                                f"{self.config.timeout:.0f} s")
-
-    def _expected(self, rounds: bool = False) -> list[int]:
-        """Trainer ranks a barrier (or, with ``rounds``, a sync round) must hear from: all
-        but the stopped ones, and for rounds also those that turned to inference."""
-        out = []
-        for r in range(self.config.num_workers):
-            w = self._workers.get(r)
-            if w is None or (w.state != "finished" and not (rounds and w.infer)):
-                out.append(r)
-        return out
+        self.roster.link_lost(link, reason)
 
     def _progress(self) -> None:
         self._try_rounds()
         self._try_barriers()
 
     # ------------------------------------------------------------------ data requests
-
-    def _on_pull(self, link: Link, msg: Message) -> Message:
-        return msg.reply({}, self.shard.pull(msg.meta, msg.bufs))
 
     def _on_push(self, link: Link, msg: Message) -> Optional[Message]:
         push = self._checked_push(link, msg)
@@ -451,10 +370,10 @@ class PSServer:
 
     def _try_rounds(self) -> None:
         """Sync: apply and answer every round that every expected worker has pushed to."""
-        if self._lost:
+        if self.roster.lost:
             return self._fail_waits()
         while True:
-            entries = self._waits.next_round(self._expected(rounds=True))
+            entries = self._waits.next_round(self.roster.expected(rounds=True))
             if entries is None:
                 return
             try:
@@ -472,20 +391,7 @@ class PSServer:
     def _fail_waits(self) -> None:
         """A worker was lost: every waiting round and barrier fails, naming it."""
         for entry in self._waits.drain():
-            self._send(entry.link, entry.msg.error_reply(self._lost[0]))
-
-    def _on_init(self, link: Link, msg: Message) -> Message:
-        push = self.shard.parse_push("INIT", msg.meta, msg.bufs)
-        if push.nonfinite:
-            raise requests.nonfinite_error("INIT", push, "values")
-        force = requests.optional_bool("INIT", msg.meta, "force")
-        return msg.reply({"applied": self.shard.init(push, force)})
-
-    def _on_set_lr(self, link: Link, msg: Message) -> Message:
-        lr, names = requests.parse_set_lr(msg.meta, {**self.shard.sparse, **self.shard.dense},
-                                          self.config.max_lr)
-        self.shard.set_lr(lr, names)
-        return msg.reply()
+            self._send(entry.link, entry.msg.error_reply(self.roster.lost[0]))
 
     def _on_barrier(self, link: Link, msg: Message) -> None:
         name = requests.parse_barrier(msg.meta)
@@ -494,9 +400,9 @@ class PSServer:
         self._try_barriers()
 
     def _try_barriers(self) -> None:
-        if self._lost:
+        if self.roster.lost:
             return self._fail_waits()
-        for members in self._waits.complete_barriers(self._expected()):
+        for members in self._waits.complete_barriers(self.roster.expected()):
             for entry in members:
                 self._send(entry.link, entry.msg.reply())
 
@@ -504,31 +410,19 @@ class PSServer:
         """A sync round or barrier waiting longer than ``timeout`` for workers that sent no
         request for that long: those workers are declared lost (their heartbeats prove the
         process lives, not that it works), which fails the wait for every member."""
-        if self._lost:
+        roster = self.roster
+        if roster.lost:
             return
-        active = {r: w.last_request for r, w in self._workers.items() if w.state == "active"}
         timeout = self.config.timeout
-        for stall in stalled(self._waits, active, self._expected(), now, timeout,
-                             self._expected(rounds=True)):
-            w = self._workers[stall.rank]
+        for stall in stalled(self._waits, roster.active_requests(), roster.expected(), now,
+                             timeout, roster.expected(rounds=True)):
+            w = roster.workers[stall.rank]
             if w.link is not None:
                 w.link.close()  # it may wake up later: it must not rejoin a failed job
             waiters = ", ".join(f"worker {r}" for r in stall.arrived)
-            self._mark_lost(w, f"sent no request for {stall.silent_for:.0f} s while {waiters} "
+            roster.mark_lost(w, f"sent no request for {stall.silent_for:.0f} s while {waiters} "
                             f"waited in {stall.what} (timeout {timeout:g} s, FLEETX_TIMEOUT); "
                             "its heartbeats still came, so the process is alive but stuck")
-
-    def _on_save(self, link: Link, msg: Message) -> Message:
-        dirname, save_id, mode = requests.parse_save(msg.meta)
-        writer = SaveWriter(confine(dirname, self.save_root), save_id)
-        reply = self.shard.save(writer, mode)
-        return msg.reply({**reply, "files": {k: e.to_json() for k, e in writer.entries.items()}})
-
-    def _on_stats(self, link: Link, msg: Message) -> Message:
-        return msg.reply(self.stats())
-
-    def _on_shrink(self, link: Link, msg: Message) -> Message:
-        return msg.reply({"tables": self.shard.shrink(requests.parse_shrink(msg.meta))})
 
     # ------------------------------------------------------------------ observability
 
@@ -536,7 +430,7 @@ class PSServer:
         """Rows and bytes per table, requests served, peak resident memory, requests refused
         (in all and by kind) and pushes skipped for non-finite values."""
         return {"server": self.index, "requests": self._requests, **self.shard.stats(),
-                "workers": {w.rank: w.state for w in self._workers.values()},
+                "workers": self.roster.states(),
                 "rejected": sum(self._refused.counts.values()),
                 "rejected_by_kind": dict(self._refused.counts),
                 "skipped_pushes": self._skipped.counts["PUSH"],
