@@ -6,7 +6,9 @@ Used by ``benchmarks/ps_ctr.py train`` (every process of a ``run`` job) and summ
 * a worker, before its first epoch and after each: the wall clock, its process CPU time (all
   threads: training, the communicator's sender, the links' receive threads), the bytes its TCP
   sockets to the servers sent and received (the kernel's counters, as
-  ``benchmarks/wire_bytes.py`` reads them), and the requests it sent per message kind, with
+  ``benchmarks/wire_bytes.py`` reads them: TCP only, so a job that counts bytes runs with
+  ``FLEETX_PS_LOCAL_SOCKETS=0``, as ``ps_scaling.py`` does; over same-machine Unix-domain
+  sockets they read 0), and the requests it sent per message kind, with
   their payload and framing bytes and the dense tables' part (counted in ``Link.send`` of the
   TCP transport; the ZeroMQ comparison transport is not counted);
 * a server: its process CPU time every 50 ms with the wall clock, so that the summary can take

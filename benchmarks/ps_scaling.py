@@ -154,8 +154,11 @@ def cmd_memory(args) -> None:
 # -- inputs: measure what the model needs ------------------------------------------------------
 def _run(cmd: list, timeout: float) -> list:
     """Run a benchmark script; its JSON output lines (fails naming the command)."""
+    # TCP only: the model is of a network, and processes of one machine would otherwise talk
+    # through Unix-domain sockets, whose bytes the workers' socket counters do not see
+    env = dict(os.environ, FLEETX_PS_LOCAL_SOCKETS="0")
     res = subprocess.run([sys.executable, *map(str, cmd)], capture_output=True, text=True,
-                         timeout=timeout, cwd=HERE.parent)
+                         timeout=timeout, cwd=HERE.parent, env=env)
     lines = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
     if res.returncode or not lines:
         raise SystemExit(f"{' '.join(map(str, cmd))} failed (rc {res.returncode}):\n"
@@ -204,6 +207,10 @@ def _job(args, mode: str, servers: int, workers: int) -> dict:
                 "--k-steps", args.k_steps, "--timeout", args.timeout], args.timeout + 60)[-1]
     if "counted" not in out:
         raise SystemExit(f"{mode} job with {servers} server(s) failed: {out}")
+    if not out["counted"]["sent_bytes_per_sample"]:
+        raise SystemExit(f"{mode} job with {servers} server(s): its workers' TCP sockets "
+                         "counted no bytes (did they talk over Unix-domain sockets? "
+                         "FLEETX_PS_LOCAL_SOCKETS must be 0)")
     return out
 
 
