@@ -181,7 +181,7 @@ def test_link_down_stops_a_ps_job_on_both_nodes_naming_the_lost_peer(tmp_path, t
     servers = f"{two_nodes[0].addr}:6000"
     # node 0: a server lost worker 1 and worker 0's next request fails with it
     assert "ABORT!!! Out of all 2 server(s) and 2 worker(s), worker 0 failed." in results[0][2]
-    assert f"PeerLostError: worker 1 (pid " in results[0][2]
+    assert "PeerLostError: worker 1 (pid " in results[0][2]
     assert f"no frame or heartbeat for {_DEAD_AFTER} s (reported by server " in results[0][2]
     # node 1: worker 1 lost the servers
     assert "ABORT!!! Out of all 2 server(s) and 2 worker(s), worker 1 failed." in results[1][2]
