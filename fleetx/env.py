@@ -174,7 +174,8 @@ _VARS = [
        "processes on one node and the user has not set it)", "fleetrun, user", "torch",
        "same everywhere"),
     _v("GLOO_SOCKET_IFNAME", "network interface gloo binds to (fleetrun sets the interface of "
-       "the node's address in a multi-node collective job when the user has not set it)",
+       "the node's address in a multi-node collective job, and the interface of each process's "
+       "address in a parameter-server job on several nodes, when the user has not set it)",
        "fleetrun, user", "gloo (torch.distributed)", "same everywhere"),
     _v("NCCL_SOCKET_IFNAME", "network interface NCCL bootstraps on (set like GLOO_SOCKET_IFNAME)",
        "fleetrun, user", "NCCL (torch.distributed)", "same everywhere"),

@@ -19,7 +19,10 @@ Decisions, in :func:`plan`:
 * the job's shared secret: ``--ps_secret_file`` (``FLEETX_PS_SECRET_FILE``), or what the user's
   environment already holds, or, for a single-node job, a fresh random one that only the
   processes' environment carries (never the command line, the banner or a file). A job on
-  several nodes without one is refused: each node would make its own.
+  several nodes without one is refused: each node would make its own;
+* in a job on several nodes, ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless the user set
+  them: the interface that holds each process's address, as in a collective job (a script that
+  opens a torch.distributed group among the workers then binds where the job's endpoints are).
 
 Running, in :func:`run`: every process starts in ``bootstrap.py`` (it dies with fleetrun, even
 on SIGKILL, and takes whatever it started along) and writes ``serverlog.N`` / ``workerlog.N`` /
@@ -38,7 +41,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from fleetx import env
 from fleetx.launch import banner, hosts, logs, script
@@ -207,7 +210,9 @@ def _secret(config: LaunchConfig, single_node: bool, user_secret: bool,
 def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_local_address,
          free_ports: Callable[[int], list[int]] = hosts.free_ports,
          user_omp: Optional[str] = None, launcher_pid: int = 0, user_secret: bool = False,
-         make_secret: Callable[[], str] = lambda: secrets.token_hex(32)) -> PSPlan:
+         make_secret: Callable[[], str] = lambda: secrets.token_hex(32),
+         user_ifnames: Collection[str] = (),
+         interface_of: Callable[[str], Optional[str]] = hosts.interface_of) -> PSPlan:
     """Decide which processes this node starts for ``config``, and their environment.
 
     Args:
@@ -219,6 +224,9 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
         user_secret: the user's environment already sets ``FLEETX_PS_SECRET`` or
             ``FLEETX_PS_SECRET_FILE``.
         make_secret: makes a single-node job's secret when none is given (256 random bits).
+        user_ifnames: which of ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` the user set
+            (a job on several nodes sets the others to the interface of each process's address).
+        interface_of: the network interface that holds an address, or None.
 
     Raises:
         ConfigError: the flags cannot describe a job, none of it runs on this node, or a job
@@ -249,12 +257,16 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
                      f"this node); set OMP_NUM_THREADS yourself to change it")
     log_dir = os.path.abspath(config.log_dir)
     shared, secret = _secret(config, len(mine) == len(every), user_secret, make_secret)
+    addr = {ep: ep.rpartition(":")[0].strip("[]") for _, _, ep in mine}
+    ifnames, ifname_notes = ({}, []) if len(mine) == len(every) else hosts.socket_ifnames(
+        list(addr.values()), user_ifnames, interface_of)  # as a collective job's, several nodes
     local = tuple(PSProcess(role, i, ep, {**_process_env(role, i, ep, servers, workers, log_dir,
-                                                         omp, heters), **shared})
+                                                         omp, heters), **shared,
+                                          **ifnames.get(addr[ep], {})})
                   for role, i, ep in mine)
     return PSPlan(servers, workers, local, log_dir, config.training_script,
-                  tuple(config.training_script_args), tuple(notes), launcher_pid, secret,
-                  config.module, config.shown_ranks(), heters)
+                  tuple(config.training_script_args), tuple(notes + ifname_notes), launcher_pid,
+                  secret, config.module, config.shown_ranks(), heters)
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -447,6 +459,7 @@ def launch(config: LaunchConfig) -> int:
         raise ConfigError("--ps_secret_file", f"{config.ps_secret_file}: no such file or not "
                                               "readable")
     p = plan(config, user_omp=env.get("OMP_NUM_THREADS"), launcher_pid=os.getpid(),
-             user_secret=env.is_set("FLEETX_PS_SECRET") or env.is_set("FLEETX_PS_SECRET_FILE"))
+             user_secret=env.is_set("FLEETX_PS_SECRET") or env.is_set("FLEETX_PS_SECRET_FILE"),
+             user_ifnames=[name for name in hosts.SOCKET_IFNAME_VARS if env.is_set(name)])
     print(p.describe(), flush=True)
     return run(p)
