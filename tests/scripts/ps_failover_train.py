@@ -18,6 +18,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True)
 ap.add_argument("--max-seconds", type=float, default=120.0)
 ap.add_argument("--pause", type=float, default=0.01, help="seconds between steps")
+ap.add_argument("--tag", default="", help="ignored: lets a test find the job's processes")
 args = ap.parse_args()
 
 fleet.init()
