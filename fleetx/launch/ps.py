@@ -26,7 +26,10 @@ on SIGKILL, and takes whatever it started along) and writes ``serverlog.N`` / ``
 ``heterlog.N``; worker 0's log is copied to fleetrun's stdout. When every local worker has
 finished, the servers and heter workers finish by themselves (they stop once every worker of
 the job said goodbye); on a single node fleetrun stops any that linger. Any process that fails stops the job: fleetrun
-names it (role and index), shows the end of its log and exits 1.
+names it (role and index), shows the end of its log and exits 1; with ``--max_restarts N``
+(failover) a server that fails is restarted instead, up to N times, with the same endpoint,
+environment and secret plus ``TORCHELASTIC_RESTART_COUNT``, and loads its latest snapshot
+(:mod:`fleetx.ps.snapshots`; ``FLEETX_PS_CHECKPOINT_DIR`` / ``_INTERVAL`` / ``FLEETX_PS_JOB_ID``).
 """
 from __future__ import annotations
 
