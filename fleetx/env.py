@@ -159,6 +159,16 @@ _VARS = [
        "Unix-domain socket in a folder only its user can enter, and workers and heter workers on "
        "the same machine connect through it (same handshake and frames, no TCP/IP processing); "
        "0: TCP only", "user", "ps runtime", "none"),
+    _v("FLEETX_PS_CHECKPOINT_DIR", "parameter-server failover is on: each server snapshots its "
+       "shard into <this>/server-<i>-of-<n>/, a restarted server loads its latest snapshot, and "
+       "workers reconnect to a lost server (fleetrun --max_restarts in a PS job: "
+       "--checkpoint_dir, default <log_dir>/ps_snapshots)", "fleetrun (PS --max_restarts)",
+       "ps runtime", "none"),
+    _v("FLEETX_PS_CHECKPOINT_INTERVAL", "seconds between a parameter server's snapshots under "
+       "failover (fleetrun --checkpoint_interval; default 30)", "fleetrun (PS --max_restarts)",
+       "ps runtime", "none"),
+    _v("FLEETX_PS_JOB_ID", "the parameter-server job's id under failover: a restarted server "
+       "loads only this job's snapshots", "fleetrun (PS --max_restarts)", "ps runtime", "none"),
     _v("FLEETX_AUTO_MEMORY_MB", "memory budget per rank in MiB for strategy.auto: it keeps the "
        "fastest measured plan whose parameter, gradient, optimizer and saved-for-backward bytes "
        "per rank fit (default: the device's free memory plus what the model already holds)",
