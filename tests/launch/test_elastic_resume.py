@@ -81,3 +81,56 @@ def test_a_rank_killed_before_any_checkpoint_starts_over_to_the_same_parameters(
     assert starts(tmp_path / "early") == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0)]
     assert ("fleetrun: work lost: all 3 step(s), no checkpoint was saved (rank 1 at step 3): "
             "the processes start over") in err.splitlines(), err
+
+
+# -- --nnodes MIN:MAX: a node leaves ----------------------------------------------------------------
+@pytest.mark.slow
+def test_a_node_that_leaves_an_elastic_job_lets_it_go_on_at_the_smaller_size(tmp_path):
+    """Two fleetrun agents on one machine play two nodes (``--nnodes 1:2``, one process each,
+    a checkpoint folder both reach, as a shared filesystem would be). Node B is killed whole
+    (SIGKILL of its agent and its worker) after step 12; node A's worker fails at its next
+    all-reduce, A restarts its worker group, the rendezvous closes with A alone, and the job
+    resumes at world size 1 from the last checkpoint (step 10) and ends with exit 0."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from fleetx.launch import hosts
+    from test_fleetrun import fleetrun_cmd, wait_for
+
+    port = hosts.free_ports(1)[0]
+    args = ["--nnodes", "1:2", "--master", f"127.0.0.1:{port}", "--max_restarts", "1", SCRIPT,
+            "--ckpt", tmp_path / "ckpt", "--out", "final.pt", "--steps", 30, "--every", 5,
+            "--sleep", 0.5]
+    environ = dict(os.environ, FLEETX_TIMEOUT="120")
+    nodes = {}
+    for name in ("A", "B"):
+        (tmp_path / name).mkdir()
+        nodes[name] = subprocess.Popen(fleetrun_cmd(*args), cwd=tmp_path / name, env=environ,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, start_new_session=True)
+    log_b = tmp_path / "B" / "log" / "workerlog.1"
+    try:
+        assert wait_for(lambda: log_b.exists() and "took step 12" in log_b.read_text(), 240)
+        os.killpg(nodes["B"].pid, signal.SIGKILL)  # the node is gone, agent and worker
+        killed = time.monotonic()
+        out, err = nodes["A"].communicate(timeout=300)
+        ended = time.monotonic()
+    finally:
+        for proc in nodes.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert nodes["A"].returncode == 0, out + err
+    log_a = (tmp_path / "A" / "log" / "workerlog.0").read_text()
+    assert "rank 0 restart 0 starts at step 0 of 2" in log_a, log_a
+    resumed = re.findall(r"rank 0 restart 1 starts at step (\d+) of 1", log_a)
+    assert resumed in (["10"], ["15"]), log_a  # B may have reached step 15 before it died
+    assert "rank 0 of 1 took step 30" in log_a
+    assert "fleetrun: restart 1 of 1: rank 0 (local rank 0, pid " in err, err
+    lost = [line for line in err.splitlines() if line.startswith("fleetrun: work lost: ")]
+    assert lost and f"checkpoint at step {resumed[0]})" in lost[0], err
+    # Indicative (docs/reliability.md): from the kill to the end of the job, 15 steps of 0.5 s
+    # at world size 1 included; torch's rendezvous waits 30 s for more nodes before it closes.
+    print(f"node B killed; node A ended {ended - killed:.0f} s later")

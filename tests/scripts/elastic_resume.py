@@ -8,10 +8,12 @@ same parameters. The checkpoint folder is resumed from when it holds a checkpoin
 
 With ``--kill-at S`` rank ``--kill-rank`` SIGKILLs itself right after step S in the first worker
 group only (``TORCHELASTIC_RESTART_COUNT`` 0). Rank 0 saves the final parameters to ``--out``.
+``--sleep`` slows each step down, for a test that stops a node in the middle of training.
 """
 import argparse
 import os
 import signal
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--every", type=int, default=4)
 parser.add_argument("--kill-at", type=int, default=-1)
 parser.add_argument("--kill-rank", type=int, default=1)
+parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
 args = parser.parse_args()
 
 restart = env.get_int("TORCHELASTIC_RESTART_COUNT", 0)
@@ -58,5 +61,8 @@ for step in range(start, args.steps):
         fleet.save_checkpoint(args.ckpt, extra={"step": done})
     if restart == 0 and rank == args.kill_rank and done == args.kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.sleep:
+        print(f"rank {rank} of {fleet.worker_num()} took step {done}", flush=True)
+        time.sleep(args.sleep)
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
