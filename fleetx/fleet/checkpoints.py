@@ -166,6 +166,8 @@ class CheckpointCalls:
         self._record()
 
     def _auto_save(self) -> None:
+        if self._auto is None:  # an optimizer from before the current one
+            return
         path, every = self._auto
         if self._steps_taken % every == 0 and self._steps_taken != self._saved_at:
             self.save_checkpoint(path)

@@ -134,3 +134,24 @@ def test_lost_work_names_the_rank_that_lost_most_and_says_when_nothing_was_saved
                                  "step 5): the processes start over")
     (tmp_path / "progress.3").write_bytes(b"short")
     assert read_progress(d, 3) is None
+
+
+def test_the_documented_loops_run(tmp_path):
+    """docs/reliability.md, "Elastic collective training": the loop by hand saves every k
+    steps; the automatic one then finds that checkpoint and resumes at its step."""
+    from pathlib import Path
+
+    import fleetx.checkpoint
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
+    section = text.split("## Elastic collective training", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    f, model, opt = job(0)
+    taken = []
+    scope = {"fleet": f, "fleetx": fleetx, "opt": opt, "CKPT": str(tmp_path / "c"), "total": 6,
+             "k": 4, "batch": lambda step: taken.append(step) or batch(step),
+             "loss_of": lambda b: nn.functional.mse_loss(model(b[0]), b[1])}
+    exec(compile(example, "docs/reliability.md", "exec"), scope)
+    # By hand: steps 0-5, saved at 4. Automatic: restores step 4, then steps 4 and 5 again.
+    assert taken == [0, 1, 2, 3, 4, 5, 4, 5]
+    assert f.start_step() == 4
