@@ -93,7 +93,12 @@ class _Agent(LocalElasticAgent):
             self._say(f"{spec.rdzv_handler.num_nodes_waiting()} more node(s) want to join: "
                       f"restarting the worker group with them (not counted against "
                       f"--max_restarts)")
+        nodes = worker_group.group_world_size
         super()._restart_workers(worker_group)
+        if nodes is not None and worker_group.group_world_size not in (None, nodes):
+            world = worker_group.workers[0].world_size if worker_group.workers else "?"
+            self._say(f"the worker group runs on {worker_group.group_world_size} node(s) now "
+                      f"(was {nodes}): {world} process(es) in all")
 
 
 def _say(message: str) -> None:

@@ -84,10 +84,21 @@ def test_a_rank_killed_before_any_checkpoint_starts_over_to_the_same_parameters(
 
 
 # -- --nnodes MIN:MAX: a node leaves ----------------------------------------------------------------
+def serving(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_a_node_that_leaves_an_elastic_job_lets_it_go_on_at_the_smaller_size(tmp_path):
     """Two fleetrun agents on one machine play two nodes (``--nnodes 1:2``, one process each,
-    a checkpoint folder both reach, as a shared filesystem would be). Node B is killed whole
+    a checkpoint folder both reach, as a shared filesystem would be); A starts first and serves
+    the rendezvous store, as the node at --master does. Node B is killed whole
     (SIGKILL of its agent and its worker) after step 12; node A's worker fails at its next
     all-reduce, A restarts its worker group, the rendezvous closes with A alone, and the job
     resumes at world size 1 from the last checkpoint (step 10) and ends with exit 0."""
@@ -110,6 +121,8 @@ def test_a_node_that_leaves_an_elastic_job_lets_it_go_on_at_the_smaller_size(tmp
         nodes[name] = subprocess.Popen(fleetrun_cmd(*args), cwd=tmp_path / name, env=environ,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True, start_new_session=True)
+        if name == "A":  # A serves the rendezvous store (the node at --master must stay)
+            assert wait_for(lambda: serving(port), 120)
     log_b = tmp_path / "B" / "log" / "workerlog.1"
     try:
         assert wait_for(lambda: log_b.exists() and "took step 12" in log_b.read_text(), 240)
@@ -131,6 +144,8 @@ def test_a_node_that_leaves_an_elastic_job_lets_it_go_on_at_the_smaller_size(tmp
     assert "fleetrun: restart 1 of 1: rank 0 (local rank 0, pid " in err, err
     lost = [line for line in err.splitlines() if line.startswith("fleetrun: work lost: ")]
     assert lost and f"checkpoint at step {resumed[0]})" in lost[0], err
+    assert ("fleetrun: the worker group runs on 1 node(s) now (was 2): 1 process(es) in all"
+            in err.splitlines()), err
     # Indicative (docs/reliability.md): from the kill to the end of the job, 15 steps of 0.5 s
     # at world size 1 included; torch's rendezvous waits 30 s for more nodes before it closes.
     print(f"node B killed; node A ended {ended - killed:.0f} s later")
