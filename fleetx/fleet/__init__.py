@@ -12,7 +12,8 @@ calls on the fleet live in ``delegation.py``; ``state_bytes`` (the training stat
 process holds) in ``memory.py``; the errors in ``api.py``. The module-level
 functions are bound methods of one default :class:`Fleet`; build your own ``Fleet()`` for tests
 or for several jobs in one process. ``save_checkpoint`` / ``load_checkpoint``
-(``checkpoints.py``) save and restore the training state of a collective job. The datasets and
+(``checkpoints.py``) save and restore the training state of a collective job;
+``auto_checkpoint`` / ``start_step`` do it every k optimizer steps and resume a restarted job. The datasets and
 data generators (``InMemoryDataset``, ``QueueDataset``, ``DatasetFactory``,
 ``MultiSlotDataGenerator``...) are :mod:`fleetx.data`'s, re-exported here as in Paddle.
 

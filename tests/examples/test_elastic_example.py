@@ -12,13 +12,18 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "elastic_collective.py")
 
 
-def test_a_second_run_resumes_from_the_last_automatic_checkpoint(tmp_path):
+@pytest.mark.usefixtures("one_process")
+def test_a_second_run_resumes_from_the_last_automatic_checkpoint(tmp_path, monkeypatch, capsys):
+    """In this process (runpy), twice: the second run finds the checkpoints of the first."""
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+
     def run(steps: int) -> str:
-        res = subprocess.run([sys.executable, EXAMPLE, "--ckpt", "ckpt", "--steps", str(steps),
-                              "--every", "20"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=120)
-        assert res.returncode == 0, res.stdout + res.stderr
-        return res.stdout
+        monkeypatch.setattr(sys, "argv", [EXAMPLE, "--ckpt", "ckpt", "--steps", str(steps),
+                                          "--every", "20"])
+        runpy.run_path(EXAMPLE, run_name="__main__")
+        return capsys.readouterr().out
     assert "restart 0: starting at step 0 of 50 with 1 process(es)" in run(50)
     out = run(100)  # saved at steps 20 and 40: resumes at 40
     assert "restart 0: starting at step 40 of 100 with 1 process(es)" in out
