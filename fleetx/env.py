@@ -110,8 +110,9 @@ _VARS = [
        "fleetrun (PS)", _ROLE, "none"),
     # --- fleetx's own ----------------------------------------------------------------------------
     _v("FLEETX_LOG_DIR", "folder of the per-process logs (a rank whose collective fails leaves "
-       "fault.<rank>.json there, naming the rank at fault, for fleetrun's report)", "fleetrun",
-       "user scripts, comm", "none"),
+       "fault.<rank>.json there, naming the rank at fault, for fleetrun's report; each rank "
+       "records its optimizer steps and last checkpoint in progress.<rank>, from which fleetrun "
+       "says what a restart loses)", "fleetrun", "user scripts, comm, fleet", "none"),
     _v("FLEETX_TIMEOUT", "seconds a collective or PS request may wait for a peer, a dataset's "
        "pipe commands may stay silent, and fleetrun for the other nodes at the rendezvous "
        "(default 300)", "user", "fleet, ps, data, fleetrun, launch bootstrap", "TORCH_NCCL_ASYNC_ERROR_HANDLING + init timeout"),
