@@ -153,7 +153,9 @@ class CheckpointCalls:
         self._steps_taken, self._saved_at, self._start_step, self._auto = 0, NO_CHECKPOINT, 0, None
         optimizer.register_step_post_hook(self._step_taken)
         log_dir = env.get("FLEETX_LOG_DIR")
-        if log_dir and self._progress is None:
+        # only a collective job's restart reads it (a parameter-server job restarts servers)
+        collective = bool(getattr(self._rm("distributed_optimizer"), "is_collective", False))
+        if log_dir and collective and self._progress is None:
             try:
                 self._progress = ProgressRecord(log_dir, self._rm("distributed_optimizer")
                                                 ._worker_index())

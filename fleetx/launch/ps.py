@@ -282,7 +282,8 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
     addr = {ep: ep.rpartition(":")[0].strip("[]") for _, _, ep in mine}
     ifnames, ifname_notes = ({}, []) if len(mine) == len(every) else hosts.socket_ifnames(
         list(addr.values()), user_ifnames, interface_of)  # as a collective job's, several nodes
-    shared = {**shared, **_failover_env(config, log_dir, make_secret()[:16])}
+    # the job's id only tells its snapshots from another job's: not a secret, not the secret's
+    shared = {**shared, **_failover_env(config, log_dir, secrets.token_hex(8))}
     if config.max_restarts:
         notes.append(f"failover: each server snapshots its shard every "
                      f"{float(shared['FLEETX_PS_CHECKPOINT_INTERVAL']):g} s into "
