@@ -110,8 +110,9 @@ _VARS = [
        "fleetrun (PS)", _ROLE, "none"),
     # --- fleetx's own ----------------------------------------------------------------------------
     _v("FLEETX_LOG_DIR", "folder of the per-process logs (a rank whose collective fails leaves "
-       "fault.<rank>.json there, naming the rank at fault, for fleetrun's report)", "fleetrun",
-       "user scripts, comm", "none"),
+       "fault.<rank>.json there, naming the rank at fault, for fleetrun's report; each rank "
+       "records its optimizer steps and last checkpoint in progress.<rank>, from which fleetrun "
+       "says what a restart loses)", "fleetrun", "user scripts, comm, fleet", "none"),
     _v("FLEETX_TIMEOUT", "seconds a collective or PS request may wait for a peer, a dataset's "
        "pipe commands may stay silent, and fleetrun for the other nodes at the rendezvous "
        "(default 300)", "user", "fleet, ps, data, fleetrun, launch bootstrap", "TORCH_NCCL_ASYNC_ERROR_HANDLING + init timeout"),
@@ -159,6 +160,16 @@ _VARS = [
        "Unix-domain socket in a folder only its user can enter, and workers and heter workers on "
        "the same machine connect through it (same handshake and frames, no TCP/IP processing); "
        "0: TCP only", "user", "ps runtime", "none"),
+    _v("FLEETX_PS_CHECKPOINT_DIR", "parameter-server failover is on: each server snapshots its "
+       "shard into <this>/server-<i>-of-<n>/, a restarted server loads its latest snapshot, and "
+       "workers reconnect to a lost server (fleetrun --max_restarts in a PS job: "
+       "--checkpoint_dir, default <log_dir>/ps_snapshots)", "fleetrun (PS --max_restarts)",
+       "ps runtime", "none"),
+    _v("FLEETX_PS_CHECKPOINT_INTERVAL", "seconds between a parameter server's snapshots under "
+       "failover (fleetrun --checkpoint_interval; default 30)", "fleetrun (PS --max_restarts)",
+       "ps runtime", "none"),
+    _v("FLEETX_PS_JOB_ID", "the parameter-server job's id under failover: a restarted server "
+       "loads only this job's snapshots", "fleetrun (PS --max_restarts)", "ps runtime", "none"),
     _v("FLEETX_AUTO_MEMORY_MB", "memory budget per rank in MiB for strategy.auto: it keeps the "
        "fastest measured plan whose parameter, gradient, optimizer and saved-for-backward bytes "
        "per rank fit (default: the device's free memory plus what the model already holds)",
@@ -174,7 +185,8 @@ _VARS = [
        "processes on one node and the user has not set it)", "fleetrun, user", "torch",
        "same everywhere"),
     _v("GLOO_SOCKET_IFNAME", "network interface gloo binds to (fleetrun sets the interface of "
-       "the node's address in a multi-node collective job when the user has not set it)",
+       "the node's address in a multi-node collective job, and the interface of each process's "
+       "address in a parameter-server job on several nodes, when the user has not set it)",
        "fleetrun, user", "gloo (torch.distributed)", "same everywhere"),
     _v("NCCL_SOCKET_IFNAME", "network interface NCCL bootstraps on (set like GLOO_SOCKET_IFNAME)",
        "fleetrun, user", "NCCL (torch.distributed)", "same everywhere"),

@@ -89,6 +89,8 @@ class TrainingState:
         rank: this process's rank.
         world_size: processes in the job (collectives run on the default group when > 1).
         strategies: names of the applied strategies, recorded in the checkpoint.
+        steps: optimizer steps taken so far, recorded by a save and set by a load (0 for a
+            checkpoint that did not record them).
     """
 
     module: nn.Module
@@ -97,6 +99,7 @@ class TrainingState:
     rank: int = 0
     world_size: int = 1
     strategies: tuple = ()
+    steps: int = 0
 
 
 def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manifest:
@@ -133,7 +136,8 @@ def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manif
     writer.write_json(_state_file(ts.rank), record)
     if ts.rank == 0:
         writer.write_json(META, {"format": FORMAT, "world_size": ts.world_size,
-                                 "strategies": list(ts.strategies), "extra": extra})
+                                 "strategies": list(ts.strategies), "extra": extra,
+                                 "steps": ts.steps})
     _barrier(ts)  # every file is written before anyone hashes the folder
     entries = _gather(ts, _hash_share(writer.folder, ts.rank, ts.world_size))
     manifest, error = None, None
@@ -154,7 +158,7 @@ def load(path: str, ts: TrainingState) -> dict:
     the hashing); see the module docstring for what loads at another world size.
 
     Returns:
-        The ``extra`` dict given to :func:`save`.
+        The ``extra`` dict given to :func:`save` (``ts.steps`` is set to the steps it recorded).
 
     Raises:
         CheckpointError: no checkpoint, a damaged or missing file ("checksum mismatch" naming
@@ -192,6 +196,7 @@ def load(path: str, ts: TrainingState) -> dict:
             _set_optimizer(ts.module, optimizer, state["optim"], ts.optimizer)
     _restore_grads(ts.module, decode(record.get("grads", {}), refs, same))
     _load_strategies(ts, decode(record.get("strategies", {}), refs, same))
+    ts.steps = int(meta.get("steps", 0))
     return meta.get("extra") or {}
 
 

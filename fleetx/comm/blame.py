@@ -22,11 +22,13 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from typing import Any, Optional
 
 import torch.distributed as dist
 
+from fleetx import env
 from fleetx.comm import progress
 from fleetx.comm.api import Blame, write_fault
 from fleetx.comm.progress import Call, Record
@@ -37,6 +39,9 @@ __all__ = ["diagnose", "is_collective_failure", "Watch"]
 _FAILURE = re.compile(r"[Tt]imed out|timeout|Connection closed by peer|Connection reset by peer|"
                       r"failed to pass monitoredBarrier")
 _NAMED = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+# How many report intervals a failing rank waits for the store's answer before it concludes that
+# the store's node is out of reach.
+_STORE_WAIT_INTERVALS = 3
 _COLLECTIVES = frozenset({
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
     "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
@@ -117,6 +122,41 @@ def _late_peers(failed: Call, calls: list[Call], members: list[int],
     return late
 
 
+def _read_records(store: Any, peers: list[int], wait: float
+                  ) -> tuple[dict[int, Optional[Record]], bool]:
+    """(every peer's record, whether the store answered within ``wait`` seconds).
+
+    The reads run on a daemon thread: when the link to the store's node is down, a store read
+    blocks while TCP retransmits (many minutes), and the diagnosis must not outlast the error
+    it explains by more than ``wait``.
+    """
+    found: dict[int, Optional[Record]] = {}
+
+    def read() -> None:
+        for peer in peers:
+            found[peer] = progress.read_record(store, peer)
+
+    reader = threading.Thread(target=read, name="fleetx-blame-read", daemon=True)
+    reader.start()
+    reader.join(wait)
+    return dict(found), not reader.is_alive()
+
+
+def _unreachable(failed: Call, members: list[int], peers: list[int], rank: int,
+                 waited: float, wait: float) -> Blame:
+    """The finding when neither the peers nor the store answer: this rank lost the network to
+    the node that holds the store (rank 0's), or that node is gone."""
+    where = ""
+    if env.is_set("MASTER_ADDR"):
+        where = f" at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT', '?')}"
+    names = ", ".join(str(p) for p in peers)
+    message = (f"rank{'s' if len(peers) > 1 else ''} {names} did not arrive at {failed.op} "
+               f"#{failed.seq} on group {failed.group} (ranks {members}) within {waited:.0f} s, "
+               f"and the job's store{where} did not answer for {wait:.0f} s: the network to "
+               f"that node is down or the node is gone")
+    return Blame(rank, os.getpid(), tuple(peers), message)
+
+
 def diagnose(exc: BaseException, store: Any, rank: int, timeout: float,
              interval: float) -> Optional[Blame]:
     """Who made the collective that raised ``exc`` fail, or None when this rank cannot tell.
@@ -132,7 +172,11 @@ def diagnose(exc: BaseException, store: Any, rank: int, timeout: float,
     seqs, calls, now = progress.sequence_numbers(found), progress.recent_calls(), time.time()
     failed = _failed_call(exc, seqs, calls)
     members = found[failed.group][1] if failed is not None and failed.group in found else []
-    records = {r: progress.read_record(store, r) for r in members if r != rank}
+    peers = [r for r in members if r != rank]
+    records, answered = _read_records(store, peers, _STORE_WAIT_INTERVALS * interval)
+    if not answered and failed is not None:  # cut off from the store's node: blame that side
+        return _unreachable(failed, members, peers, rank, failed.timeout or timeout,
+                            _STORE_WAIT_INTERVALS * interval)
     late = {} if failed is None else _late_peers(failed, calls, members, records, rank,
                                                  failed.timeout or timeout, interval, now)
     for peer in _named_ranks(str(exc)):

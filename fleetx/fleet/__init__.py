@@ -12,7 +12,8 @@ calls on the fleet live in ``delegation.py``; ``state_bytes`` (the training stat
 process holds) in ``memory.py``; the errors in ``api.py``. The module-level
 functions are bound methods of one default :class:`Fleet`; build your own ``Fleet()`` for tests
 or for several jobs in one process. ``save_checkpoint`` / ``load_checkpoint``
-(``checkpoints.py``) save and restore the training state of a collective job. The datasets and
+(``checkpoints.py``) save and restore the training state of a collective job;
+``auto_checkpoint`` / ``start_step`` do it every k optimizer steps and resume a restarted job. The datasets and
 data generators (``InMemoryDataset``, ``QueueDataset``, ``DatasetFactory``,
 ``MultiSlotDataGenerator``...) are :mod:`fleetx.data`'s, re-exported here as in Paddle.
 
@@ -77,6 +78,8 @@ distributed_optimizer = _fleet.distributed_optimizer
 explain = _fleet.explain
 save_checkpoint = _fleet.save_checkpoint
 load_checkpoint = _fleet.load_checkpoint
+auto_checkpoint = _fleet.auto_checkpoint
+start_step = _fleet.start_step
 state_bytes = _fleet.state_bytes
 get_hybrid_communicate_group = _fleet.get_hybrid_communicate_group
 applied_strategies = _fleet.applied_strategies
@@ -143,7 +146,7 @@ __all__ = [
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
     "init_worker", "init_server", "run_server", "stop_worker", "save_persistables", "prefetch",
     "save_inference_model", "shrink", "table_stats", "print_table_stat", "save_checkpoint",
-    "load_checkpoint",
+    "load_checkpoint", "auto_checkpoint", "start_step",
     "MultiSlotDataGenerator", "MultiSlotStringDataGenerator", "DatasetBase", "InMemoryDataset",
     "QueueDataset", "DatasetFactory",
 ]

@@ -320,6 +320,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         ctx = self._build_context()
         self._dist_optimizer = DistributedOptimizer(
             ctx, modules=lambda: [m.module for m in self._models] + self._stages)
+        self._track_steps(self._dist_optimizer)
         return self._dist_optimizer
 
     def explain(self, file: Any = None) -> Plan:

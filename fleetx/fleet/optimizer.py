@@ -38,6 +38,9 @@ class DistributedOptimizer(OptimizerWrapper):
         self._modules = modules
         #: whether the last ``step`` updated the parameters (see :meth:`step`)
         self.last_step_taken = False
+        #: called after the gradients were cleared (the fleet's automatic checkpoints save
+        #: there, with no gradient held)
+        self.after_zero_grad: list[Callable[[], None]] = []
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -71,6 +74,8 @@ class DistributedOptimizer(OptimizerWrapper):
         """Clear the gradients, unless a strategy is still accumulating them."""
         if all(guard() for guard in self._ctx.zero_grad_guards):
             self.inner.zero_grad(set_to_none=set_to_none)
+            for hook in self.after_zero_grad:
+                hook()
 
     clear_grad = zero_grad
 

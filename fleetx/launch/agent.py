@@ -1,6 +1,7 @@
 """The torch elastic agent as fleetrun runs it: the node's processes start, are watched and are
 stopped by torch's ``LocalElasticAgent``; fleetrun gives it its own rendezvous handler
-(``rendezvous.py``) and announces every restart of the worker group with its cause.
+(``rendezvous.py``) and announces every restart of the worker group with its cause and the work
+it loses (the optimizer steps since the last checkpoint, from the ranks' progress records).
 
 ``torchrun``'s ``elastic_launch`` builds the same agent, but from a rendezvous registry entry and
 with nothing to say when it restarts the workers; building it here keeps both in fleetrun's
@@ -18,6 +19,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, SignalException
 from torch.distributed.elastic.rendezvous import RendezvousHandler
 
+from fleetx.checkpoint.progress import lost_work
 from fleetx.launch import logs
 
 __all__ = ["restart_message", "run_agent"]
@@ -64,9 +66,9 @@ class _Agent(LocalElasticAgent):
     """torch's agent, plus one line whenever it restarts the worker group, saying why."""
 
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, say: Callable[[str], None],
-                 log_of: Callable[[int], str], **options) -> None:
+                 log_of: Callable[[int], str], log_dir: str, **options) -> None:
         super().__init__(spec, logs_specs, **options)
-        self._say, self._log_of = say, log_of
+        self._say, self._log_of, self._log_dir = say, log_of, log_dir
         self._last: Optional[RunResult] = None
         self._restarts = 0
 
@@ -80,11 +82,23 @@ class _Agent(LocalElasticAgent):
             self._restarts += 1  # the agent restarts after a failure only while any are left
             self._say(restart_message(last.failures, self._restarts, spec.max_restarts,
                                       self._log_of))
+            # From the ranks' progress records (fleetx.checkpoint.progress); none without a
+            # fleet optimizer.
+            failed = [r for r, f in sorted(last.failures.items())
+                      if f.exitcode != -signal.SIGTERM]  # the cause first: it names the rank
+            lost = lost_work(self._log_dir, failed + sorted(set(last.failures) - set(failed)))
+            if lost:
+                self._say(lost)
         else:
             self._say(f"{spec.rdzv_handler.num_nodes_waiting()} more node(s) want to join: "
                       f"restarting the worker group with them (not counted against "
                       f"--max_restarts)")
+        nodes = worker_group.group_world_size
         super()._restart_workers(worker_group)
+        if nodes is not None and worker_group.group_world_size not in (None, nodes):
+            world = worker_group.workers[0].world_size if worker_group.workers else "?"
+            self._say(f"the worker group runs on {worker_group.group_world_size} node(s) now "
+                      f"(was {nodes}): {world} process(es) in all")
 
 
 def _say(message: str) -> None:
@@ -116,7 +130,8 @@ def run_agent(handler: RendezvousHandler, nproc: int, entrypoint: str, args: Seq
     spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler, max_restarts=max_restarts,
                       monitor_interval=_MONITOR_SECONDS, local_addr=local_addr)
-    agent = _Agent(spec, _InheritedStreams(log_dir), say, log_of, **agent_options(grace_seconds))
+    agent = _Agent(spec, _InheritedStreams(log_dir), say, log_of, log_dir,
+                   **agent_options(grace_seconds))
     shutdown = True
     try:
         return agent.run()

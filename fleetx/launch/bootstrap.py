@@ -213,7 +213,7 @@ def _main_ps(argv: Sequence[str]) -> None:
     setup = json.loads(argv[0])
     _die_with_launcher(int(setup["launcher_pid"]))
     _start_guardian()
-    _redirect_output(setup["log"], fresh=True)
+    _redirect_output(setup["log"], fresh=bool(setup.get("fresh", True)))  # a restart appends
     run_script(argv[1], argv[2:], module=bool(setup.get("module")))
 
 

@@ -34,6 +34,28 @@ def _int(text: str) -> int:
         raise ValueError(f"invalid int value: {text!r}") from None
 
 
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _duration(text: str) -> float:
+    """Seconds from ``30``, ``30s``, ``2.5m`` or ``1h``."""
+    t = text.strip().lower()
+    scale = _UNITS.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if scale else t) * (scale or 1.0)
+    except ValueError:
+        raise ValueError(f"invalid duration {text!r}: expected seconds, or a number followed by "
+                         "s, m or h (30, 30s, 2.5m, 1h)") from None
+    return value
+
+
+def _positive(value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    return None if value == value and 0 < value < float("inf") else \
+        f"must be a finite duration > 0, got {value!r}"
+
+
 def _items(text: str) -> tuple[str, ...]:
     items = tuple(item.strip() for item in text.split(","))
     if not text.strip() or any(not item for item in items):
@@ -175,7 +197,9 @@ class LaunchConfig:
         "show every rank's output live here, each line starting with [rank N]: the same as "
         "--log_ranks all", False, switch=True, parse=lambda s: s)
     max_restarts: int = _flag(
-        "times the whole worker group is restarted after a failure before fleetrun gives up",
+        "times the whole worker group is restarted after a failure before fleetrun gives up; "
+        "in a parameter-server job: turns failover on (servers snapshot their shards, a server "
+        "that dies is restarted up to N times from its latest snapshot, workers reconnect)",
         0, parse=_int, check=_at_least(0), metavar="N")
     ips: tuple[str, ...] = _flag(
         "addresses of every node, comma-separated, in node-rank order; each node finds itself "
@@ -221,6 +245,13 @@ class LaunchConfig:
         "talks to heter worker r mod N); each node starts the ones at its own addresses (selects "
         "ps mode)", group="parameter server", parse=_items, check=_endpoint_list,
         metavar="ENDPOINTS")
+    checkpoint_dir: Optional[str] = _flag(
+        "with --max_restarts: folder of the servers' snapshots (server-<i>-of-<n>/ each); "
+        "default <log_dir>/ps_snapshots", group="parameter server", metavar="DIR")
+    checkpoint_interval: Optional[float] = _flag(
+        "with --max_restarts: time between a server's snapshots, in seconds or with a unit: "
+        "30, 30s, 2.5m, 1h (default 30s)", group="parameter server", parse=_duration,
+        check=_positive, metavar="DURATION")
     ps_secret_file: Optional[str] = _flag(
         "file holding the job's shared secret (any text; surrounding whitespace is ignored): "
         "every parameter-server connection must prove it holds it. Give every node's fleetrun "

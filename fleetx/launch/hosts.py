@@ -12,12 +12,15 @@ import ipaddress
 import socket
 import struct
 import sys
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 from fleetx.launch.api import ConfigError
 
 __all__ = ["is_local_address", "node_rank", "free_ports", "listen", "port_in_use", "route_address",
-           "interface_of"]
+           "interface_of", "SOCKET_IFNAME_VARS", "socket_ifnames"]
+
+#: What gloo and NCCL bind to; fleetrun sets them on multi-node jobs unless the user did.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 _SIOCGIFADDR = 0x8915  # <linux/sockios.h>: the IPv4 address of an interface
 _IF_INET6 = "/proc/net/if_inet6"
@@ -176,3 +179,32 @@ def interface_of(address: str) -> Optional[str]:
     candidates = [str(ipaddress.ip_address(info[4][0].split("%")[0])) for info in infos]
     table = {**_ipv4_interfaces(), **_ipv6_interfaces()}
     return next((table[ip] for ip in candidates if ip in table), None)
+
+
+def socket_ifnames(addresses: Sequence[str], user_set: Collection[str] = (),
+                   interface_of: Callable[[str], Optional[str]] = interface_of
+                   ) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """The socket interface variables for processes bound to ``addresses`` (this node's), and
+    one note per address for the user.
+
+    Each address gets ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` (those not in
+    ``user_set``) naming the interface that holds it: gloo and NCCL otherwise bind to the
+    address the host name resolves to, often a loopback one (Debian's 127.0.1.1). An address
+    whose interface is unknown gets nothing.
+
+    Example:
+        >>> socket_ifnames(["127.0.0.1"], interface_of=lambda a: "lo")[0]
+        {'127.0.0.1': {'GLOO_SOCKET_IFNAME': 'lo', 'NCCL_SOCKET_IFNAME': 'lo'}}
+    """
+    wanted = [name for name in SOCKET_IFNAME_VARS if name not in user_set]
+    found: dict[str, dict[str, str]] = {}
+    notes = []
+    for address in dict.fromkeys(addresses) if wanted else ():
+        ifname = interface_of(address)
+        if not ifname:
+            continue
+        found[address] = {name: ifname for name in wanted}
+        notes.append(f"setting {' and '.join(f'{name}={ifname}' for name in wanted)} for each "
+                     f"process of {address} (the interface of that address); set "
+                     f"{'it' if len(wanted) == 1 else 'them'} yourself to change it")
+    return found, notes

@@ -34,7 +34,7 @@ EARLIER_DIR = "earlier"
 KEEP_EARLIER = 5
 # Every file a job writes in the log folder (fault.N.json: fleetx.comm's blame reports).
 _JOB_FILE = re.compile(r"^(workerlog\.\d+|serverlog\.\d+|heterlog\.\d+|endpoints\.log|"
-                       r"fault\.\d+\.json)$")
+                       r"fault\.\d+\.json|progress\.\d+)$")
 
 
 def prepare_dir(log_dir: str) -> None:

@@ -19,14 +19,20 @@ Decisions, in :func:`plan`:
 * the job's shared secret: ``--ps_secret_file`` (``FLEETX_PS_SECRET_FILE``), or what the user's
   environment already holds, or, for a single-node job, a fresh random one that only the
   processes' environment carries (never the command line, the banner or a file). A job on
-  several nodes without one is refused: each node would make its own.
+  several nodes without one is refused: each node would make its own;
+* in a job on several nodes, ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless the user set
+  them: the interface that holds each process's address, as in a collective job (a script that
+  opens a torch.distributed group among the workers then binds where the job's endpoints are).
 
 Running, in :func:`run`: every process starts in ``bootstrap.py`` (it dies with fleetrun, even
 on SIGKILL, and takes whatever it started along) and writes ``serverlog.N`` / ``workerlog.N`` /
 ``heterlog.N``; worker 0's log is copied to fleetrun's stdout. When every local worker has
 finished, the servers and heter workers finish by themselves (they stop once every worker of
 the job said goodbye); on a single node fleetrun stops any that linger. Any process that fails stops the job: fleetrun
-names it (role and index), shows the end of its log and exits 1.
+names it (role and index), shows the end of its log and exits 1; with ``--max_restarts N``
+(failover) a server that fails is restarted instead, up to N times, with the same endpoint,
+environment and secret plus ``TORCHELASTIC_RESTART_COUNT``, and loads its latest snapshot
+(:mod:`fleetx.ps.snapshots`; ``FLEETX_PS_CHECKPOINT_DIR`` / ``_INTERVAL`` / ``FLEETX_PS_JOB_ID``).
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Collection, Optional
 
 from fleetx import env
 from fleetx.launch import banner, hosts, logs, script
@@ -55,6 +61,9 @@ _TAIL_LINES = 20
 _GRACE_SECONDS = 10  # between SIGTERM and SIGKILL when fleetrun stops processes
 _LINGER_SECONDS = 5  # a single-node server still running this long after the last worker
 _POLL_SECONDS = 0.1
+#: the servers' snapshots under failover (--max_restarts), inside the log folder by default
+SNAPSHOT_DIR = "ps_snapshots"
+DEFAULT_CHECKPOINT_INTERVAL = 30.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ class PSPlan:
     module: bool = False  # the script is a module name (fleetrun -m)
     shown: object = (0,)  # workers whose output fleetrun shows ("all" or indices)
     heters: tuple[str, ...] = ()  # every heter worker's endpoint
+    max_restarts: int = 0  # failover: restarts of each server before the job fails
 
     def shown_here(self) -> list["PSProcess"]:
         """This node's workers whose output fleetrun copies to its stdout."""
@@ -138,12 +148,27 @@ class PSPlan:
 def _refuse_collective_flags(config: LaunchConfig) -> None:
     given = {"--nproc_per_node": config.nproc_per_node, "--gpus": config.gpus,
              "--nnodes": config.nnodes, "--master": config.master,
-             "--ips": config.ips if config.ips != ("127.0.0.1",) else None,
-             "--max_restarts": config.max_restarts or None}
+             "--ips": config.ips if config.ips != ("127.0.0.1",) else None}
     for flag, value in given.items():
         if value is not None:
             raise ConfigError(flag, "is a collective flag; a parameter-server job takes "
                                     "--server_num / --worker_num or --servers / --workers")
+    for flag, value in (("--checkpoint_dir", config.checkpoint_dir),
+                        ("--checkpoint_interval", config.checkpoint_interval)):
+        if value is not None and not config.max_restarts:
+            raise ConfigError(flag, "sets the servers' snapshots, which exist for failover: "
+                                    "give --max_restarts N as well")
+
+
+def _failover_env(config: LaunchConfig, log_dir: str, job_id: str) -> dict:
+    """What every process of a job with ``--max_restarts`` gets: the snapshots' folder and
+    interval, and the job's id (a restarted server loads only this job's snapshots)."""
+    if not config.max_restarts:
+        return {}
+    folder = config.checkpoint_dir or os.path.join(log_dir, SNAPSHOT_DIR)
+    interval = config.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
+    return {"FLEETX_PS_CHECKPOINT_DIR": os.path.abspath(folder),
+            "FLEETX_PS_CHECKPOINT_INTERVAL": f"{interval:g}", "FLEETX_PS_JOB_ID": job_id}
 
 
 def _endpoints(listed: Optional[tuple], count: Optional[int], what: str, bare_port: int,
@@ -207,7 +232,9 @@ def _secret(config: LaunchConfig, single_node: bool, user_secret: bool,
 def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_local_address,
          free_ports: Callable[[int], list[int]] = hosts.free_ports,
          user_omp: Optional[str] = None, launcher_pid: int = 0, user_secret: bool = False,
-         make_secret: Callable[[], str] = lambda: secrets.token_hex(32)) -> PSPlan:
+         make_secret: Callable[[], str] = lambda: secrets.token_hex(32),
+         user_ifnames: Collection[str] = (),
+         interface_of: Callable[[str], Optional[str]] = hosts.interface_of) -> PSPlan:
     """Decide which processes this node starts for ``config``, and their environment.
 
     Args:
@@ -219,6 +246,9 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
         user_secret: the user's environment already sets ``FLEETX_PS_SECRET`` or
             ``FLEETX_PS_SECRET_FILE``.
         make_secret: makes a single-node job's secret when none is given (256 random bits).
+        user_ifnames: which of ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` the user set
+            (a job on several nodes sets the others to the interface of each process's address).
+        interface_of: the network interface that holds an address, or None.
 
     Raises:
         ConfigError: the flags cannot describe a job, none of it runs on this node, or a job
@@ -249,12 +279,23 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
                      f"this node); set OMP_NUM_THREADS yourself to change it")
     log_dir = os.path.abspath(config.log_dir)
     shared, secret = _secret(config, len(mine) == len(every), user_secret, make_secret)
+    addr = {ep: ep.rpartition(":")[0].strip("[]") for _, _, ep in mine}
+    ifnames, ifname_notes = ({}, []) if len(mine) == len(every) else hosts.socket_ifnames(
+        list(addr.values()), user_ifnames, interface_of)  # as a collective job's, several nodes
+    # the job's id only tells its snapshots from another job's: not a secret, not the secret's
+    shared = {**shared, **_failover_env(config, log_dir, secrets.token_hex(8))}
+    if config.max_restarts:
+        notes.append(f"failover: each server snapshots its shard every "
+                     f"{float(shared['FLEETX_PS_CHECKPOINT_INTERVAL']):g} s into "
+                     f"{shared['FLEETX_PS_CHECKPOINT_DIR']}; a server that fails is restarted "
+                     f"from its latest snapshot, up to {config.max_restarts} time(s)")
     local = tuple(PSProcess(role, i, ep, {**_process_env(role, i, ep, servers, workers, log_dir,
-                                                         omp, heters), **shared})
+                                                         omp, heters), **shared,
+                                          **ifnames.get(addr[ep], {})})
                   for role, i, ep in mine)
     return PSPlan(servers, workers, local, log_dir, config.training_script,
-                  tuple(config.training_script_args), tuple(notes), launcher_pid, secret,
-                  config.module, config.shown_ranks(), heters)
+                  tuple(config.training_script_args), tuple(notes + ifname_notes), launcher_pid,
+                  secret, config.module, config.shown_ranks(), heters, config.max_restarts)
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -264,22 +305,44 @@ class _Job:
     def __init__(self, p: PSPlan) -> None:
         self.plan = p
         self.procs: dict[PSProcess, subprocess.Popen] = {}
+        self.restarts: dict[PSProcess, int] = {}
 
     def start(self) -> None:
         for proc in self.plan.local:  # from the main thread: PDEATHSIG follows the thread
-            child = dict(env.environ)
-            env.apply(proc.env, child)
-            if self.plan.secret:  # in the environment only: not in the banner, not in argv
-                env.apply({"FLEETX_PS_SECRET": self.plan.secret}, child)
-            setup = json.dumps({"log": proc.log_path(self.plan.log_dir),
-                                "launcher_pid": self.plan.launcher_pid,
-                                "module": self.plan.module})
-            self.procs[proc] = subprocess.Popen(
-                [sys.executable, "-u", "-m", "fleetx.launch.bootstrap", "--ps", setup,
-                 self.plan.script, *self.plan.script_args],
-                env=child, stdin=subprocess.DEVNULL, start_new_session=True)
-            print(f"launch {proc.role} proc_id:{self.procs[proc].pid} idx:{proc.index}",
-                  flush=True)
+            self._spawn(proc, 0)
+
+    def _spawn(self, proc: PSProcess, restart: int) -> None:
+        child = dict(env.environ)
+        env.apply(proc.env, child)
+        if self.plan.secret:  # in the environment only: not in the banner, not in argv
+            env.apply({"FLEETX_PS_SECRET": self.plan.secret}, child)  # the same on a restart
+        if restart:
+            env.apply({"TORCHELASTIC_RESTART_COUNT": str(restart)}, child)
+        setup = json.dumps({"log": proc.log_path(self.plan.log_dir),
+                            "launcher_pid": self.plan.launcher_pid,
+                            "module": self.plan.module, "fresh": not restart})
+        self.procs[proc] = subprocess.Popen(
+            [sys.executable, "-u", "-m", "fleetx.launch.bootstrap", "--ps", setup,
+             self.plan.script, *self.plan.script_args],
+            env=child, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.restarts[proc] = restart
+        print(f"launch {proc.role} proc_id:{self.procs[proc].pid} idx:{proc.index}"
+              + (f" (restart {restart} of {self.plan.max_restarts})" if restart else ""),
+              flush=True)
+
+    def restartable(self, proc: PSProcess) -> bool:
+        """Failover restarts servers (workers and heter workers: not yet)."""
+        return proc.role == "server" and self.restarts[proc] < self.plan.max_restarts
+
+    def restart(self, proc: PSProcess, code: Optional[int]) -> None:
+        """Announce the failure of ``proc`` and start it again (its log continues)."""
+        self.procs[proc].wait()
+        restart = self.restarts[proc] + 1
+        print(f"fleetrun: {proc.name} {logs.describe_exit(code)}; restarting it (restart "
+              f"{restart} of {self.plan.max_restarts}): it loads its latest snapshot and the "
+              f"workers reconnect; its log continues in {proc.log_path(self.plan.log_dir)}",
+              file=sys.stderr, flush=True)
+        self._spawn(proc, restart)
 
     def codes(self) -> dict[PSProcess, Optional[int]]:
         return {proc: p.poll() for proc, p in self.procs.items()}
@@ -334,6 +397,10 @@ def _watch(job: _Job, stop_requested: list) -> int:
             return 128 + sig
         codes = job.codes()
         failed = [proc for proc, code in codes.items() if code not in (None, 0)]
+        if failed and all(job.restartable(proc) for proc in failed):
+            for proc in failed:
+                job.restart(proc, codes[proc])
+            continue
         if failed:
             job.stop([proc for proc, code in codes.items() if code is None])
             _report_failure(p, failed, codes)
@@ -447,6 +514,7 @@ def launch(config: LaunchConfig) -> int:
         raise ConfigError("--ps_secret_file", f"{config.ps_secret_file}: no such file or not "
                                               "readable")
     p = plan(config, user_omp=env.get("OMP_NUM_THREADS"), launcher_pid=os.getpid(),
-             user_secret=env.is_set("FLEETX_PS_SECRET") or env.is_set("FLEETX_PS_SECRET_FILE"))
+             user_secret=env.is_set("FLEETX_PS_SECRET") or env.is_set("FLEETX_PS_SECRET_FILE"),
+             user_ifnames=[name for name in hosts.SOCKET_IFNAME_VARS if env.is_set(name)])
     print(p.describe(), flush=True)
     return run(p)

@@ -121,8 +121,9 @@ class Acceptor:
             raise PeerLostError(f"server endpoint {host}:{port}", f"cannot listen: {e}") from None
         self.sock.setblocking(False)
         self.host, self.port = host, self.sock.getsockname()[1]
-        # bound after the TCP port, which no other process holds meanwhile: the path is ours
-        self.local_sock = local_links.listen(self.port, _BACKLOG) if local else None
+        # bound after the TCP address and port, which no other process holds meanwhile: the
+        # path is ours
+        self.local_sock = local_links.listen(host, self.port, _BACKLOG) if local else None
         self.local_path = self.local_sock.getsockname() if self.local_sock else None
         self._listeners = [s for s in (self.sock, self.local_sock) if s is not None]
         self.name, self._key = name, key

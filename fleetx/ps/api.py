@@ -609,6 +609,16 @@ class PSConfig:
         local_sockets: servers (and heter workers) also listen on a Unix-domain socket in a
             folder only their user can enter, and peers on the same machine connect through it
             (:mod:`fleetx.ps.local`); ``FLEETX_PS_LOCAL_SOCKETS`` (1 by default, 0: TCP only).
+        snapshot_dir: failover is on (``fleetrun --max_restarts``): each server snapshots its
+            shard there every ``snapshot_interval`` seconds and a restarted one loads its latest
+            (:mod:`fleetx.ps.snapshots`); workers reconnect to a server they lost and resend
+            the requests it had not answered (``FLEETX_PS_CHECKPOINT_DIR``). None: a lost
+            server is an error naming it.
+        snapshot_interval: seconds between a server's snapshots
+            (``FLEETX_PS_CHECKPOINT_INTERVAL``).
+        snapshot_job: the job's id (``FLEETX_PS_JOB_ID``): only this job's snapshots load.
+        restart_count: how many times fleetrun restarted this process
+            (``TORCHELASTIC_RESTART_COUNT``; differs between processes).
     """
 
     servers: tuple
@@ -630,6 +640,10 @@ class PSConfig:
     transport: str = "tcp"
     heter_workers: tuple = ()
     local_sockets: bool = True
+    snapshot_dir: Optional[str] = None
+    snapshot_interval: float = 30.0
+    snapshot_job: str = ""
+    restart_count: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "servers", tuple(self.servers))
@@ -663,6 +677,21 @@ class PSConfig:
                  f"expected one of {TRANSPORTS}")
         _require(isinstance(self.local_sockets, bool), f"PSConfig.local_sockets="
                  f"{self.local_sockets!r}: expected True or False")
+        _require(isinstance(self.snapshot_interval, (int, float)) and
+                 math.isfinite(self.snapshot_interval) and self.snapshot_interval > 0,
+                 f"PSConfig.snapshot_interval={self.snapshot_interval!r}: expected a finite "
+                 "number of seconds > 0")
+        _require(self.snapshot_dir is None or self.mode == PSMode.ASYNC,
+                 f"parameter-server failover (fleetrun --max_restarts, FLEETX_PS_CHECKPOINT_DIR)"
+                 f" supports async mode (strategy.a_sync = True, k_steps 0) so far; this job "
+                 f"runs {self.mode.value}: run it without --max_restarts")
+        _require(isinstance(self.restart_count, int) and self.restart_count >= 0,
+                 f"PSConfig.restart_count={self.restart_count!r}: expected an int >= 0")
+
+    @property
+    def failover(self) -> bool:
+        """Servers snapshot, restarted servers load, workers reconnect."""
+        return self.snapshot_dir is not None
 
     @property
     def num_servers(self) -> int:

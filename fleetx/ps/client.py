@@ -29,6 +29,7 @@ from fleetx.ps.buffers import BufferPool
 from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, PSConfig, PSError, Tables,
                            endpoint_of)
 from fleetx.ps.partition import Route, dense_ranges, route
+from fleetx.ps.failover import Failover
 from fleetx.ps.tracker import Handle, Tracker
 from fleetx.ps.handshake import connect, resolve_secret
 from fleetx.ps.transport import Heartbeats, Link, Message
@@ -95,6 +96,8 @@ class KVClient:
         self.initialized: set[str] = set()  # tables some server already holds (a checkpoint)
         self._registered = False
         self._pool = BufferPool()
+        self._key = b""
+        self._failover = Failover(self) if config.failover else None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -109,7 +112,7 @@ class KVClient:
                 unreadable.
         """
         c = self.config
-        key = resolve_secret(c) or b""
+        self._key = key = resolve_secret(c) or b""
         self._heartbeats = Heartbeats(c.heartbeat_interval)
         for i in range(c.num_servers):
             host, port = endpoint_of(c.servers, i)
@@ -118,10 +121,7 @@ class KVClient:
             link.peer_info["index"] = i
             self._links.append(link.start())
             self._heartbeats.add(link)
-        meta = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
-                "fingerprint": self.tables.fingerprint(), "mode": c.mode.value}
-        if self.infer:
-            meta["infer"] = True
+        meta = self._hello_meta()
         replies = self._request(Kind.HELLO, {s: (meta, [], None) for s in self._servers()},
                                 None).wait(c.timeout)
         for r in replies:
@@ -129,17 +129,26 @@ class KVClient:
         self._registered = True
         kernels.log_backend(log, f"worker {self.rank}")
 
-    def _connect(self, host: str, port: int, name: str, key: bytes) -> Link:
+    def _hello_meta(self) -> dict:
+        meta = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(),
+                "fingerprint": self.tables.fingerprint(), "mode": self.config.mode.value}
+        if self.infer:
+            meta["infer"] = True
+        return meta
+
+    def _connect(self, host: str, port: int, name: str, key: bytes,
+                 timeout: Optional[float] = None) -> Link:
         """A link to one server over the configured transport (``PSConfig.transport``), not
-        yet started."""
+        yet started; ``timeout``: how long to keep trying (default ``PSConfig.timeout``)."""
         c = self.config
+        timeout = c.timeout if timeout is None else timeout
         options = {"on_message": self._on_reply, "on_lost": self._on_lost,
                    "dead_after": c.dead_after, "allocator": self._allocate,
                    "max_frame_bytes": c.max_frame_bytes}
         if c.transport == "zmq":  # loopback-only comparison: no handshake
             from fleetx.ps.transport_zmq import connect_link
-            return connect_link(host, port, name, c.timeout, **options)
-        return Link(connect(host, port, name, c.timeout, key, local=c.local_sockets), name,
+            return connect_link(host, port, name, timeout, **options)
+        return Link(connect(host, port, name, timeout, key, local=c.local_sockets), name,
                     **options)
 
     def stop(self) -> None:
@@ -147,11 +156,15 @@ class KVClient:
         try:
             if self._lost is None and self._registered:
                 self._registered = False
+                # failover: a restarting server must hear it too, or it waits for this worker
+                wait = self.config.timeout if self._failover else self.config.dead_after
                 self._request(Kind.BYE, {s: ({}, [], None) for s in self._servers()},
-                              None).wait(self.config.dead_after)
+                              None).wait(wait)
         except PSError as e:  # stopping anyway; the servers treat the close as a loss
             log.warning("worker %d: BYE failed: %s", self.rank, e)
         finally:
+            if self._failover is not None:
+                self._failover.stopping = True
             for link in self._links:
                 link.close()
             if self._heartbeats:
@@ -167,9 +180,13 @@ class KVClient:
         return range(self.config.num_servers)
 
     def _on_reply(self, link: Link, msg: Message) -> None:
+        if self._failover is not None:
+            self._failover.replied(link.peer_info["index"], msg)
         self._tracker.resolve(msg, link.name)
 
     def _on_lost(self, link: Link, reason: str) -> None:
+        if self._failover is not None and self._failover.lost(link, reason):
+            return  # reconnecting: the pending requests wait for the restarted server
         err = PeerLostError(link.name, reason)
         self._lost = self._lost or err
         self._tracker.fail_peer(link.peer_info["index"], err)
@@ -185,8 +202,13 @@ class KVClient:
         handle = Handle(len(per_server), finish)
         for part, (s, (meta, bufs, targets)) in enumerate(per_server.items()):
             req = self._tracker.register(handle, part, s, targets)
+            msg = Message(kind, req, meta, bufs)
+            if self._failover is not None:
+                self._tracker.attach(req, msg)
+                self._failover.send(s, msg)
+                continue
             try:
-                self._links[s].send(Message(kind, req, meta, bufs))
+                self._links[s].send(msg)
             except PeerLostError as e:
                 self._tracker.forget(req, e)
         return handle

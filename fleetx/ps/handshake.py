@@ -230,7 +230,7 @@ def connect(host: str, port: int, name: str, timeout: float, key: bytes = b"",
     while True:
         left = max(0.1, deadline - time.monotonic())
         try:
-            sock = (local_links.connect_unix(port, min(10.0, left)) if here else None) or \
+            sock = (local_links.connect_unix(host, port, min(10.0, left)) if here else None) or \
                 socket.create_connection((host, port), timeout=min(10.0, left))
             try:
                 client_handshake(sock, key, name, min(_HANDSHAKE_TIMEOUT, left))

@@ -8,18 +8,20 @@ land on whichever thread happens to run): a megabyte costs about half the CPU it
 loopback TCP (``benchmarks/ps_links.py``). Production jobs that put a server and its trainers on
 one node get the same saving for their local links.
 
-Where: ``<temp dir>/fleetx-ps-<uid>/<port>.sock``. The directory must be a real directory (not
-a link) owned by this user and closed to everyone else (mode 0700; it is created so): other
-users cannot connect at all (TCP loopback is open to every local user) and nobody else can put a
-socket there. A server binds its TCP port first, which no other process can hold at the same
-time, so the socket of a port is always that server's; a file left by a server that died is
-replaced. If the directory is unsafe, the path too long, or the socket cannot be made, the
+Where: ``<temp dir>/fleetx-ps-<uid>/<host>-<port>.sock``, named after the address the server
+listens on as well as its port: two servers of one machine may listen on the same port at two
+addresses (two network namespaces sharing a file system, or two interfaces), and each must keep
+its own socket. The directory must be a real directory (not a link) owned by this user and
+closed to everyone else (mode 0700; it is created so): other users cannot connect at all (TCP
+loopback is open to every local user) and nobody else can put a socket there. A server binds
+its TCP address and port first, which no other process can hold at the same time, so the socket
+of an address and port is always that server's; a file left by a server that died is replaced. If the directory is unsafe, the path too long, or the socket cannot be made, the
 server listens on TCP alone and its workers use TCP (they also fall back to TCP whenever the
 socket refuses them). ``FLEETX_PS_LOCAL_SOCKETS=0`` turns the path off (``PSConfig.local``).
 
 Example:
-    >>> path = socket_path(6170)                  # doctest: +SKIP
-    >>> path.endswith("/6170.sock")               # doctest: +SKIP
+    >>> path = socket_path("127.0.0.1", 6170)     # doctest: +SKIP
+    >>> path.endswith("/127.0.0.1-6170.sock")     # doctest: +SKIP
     True
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ import errno
 import ipaddress
 import logging
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -62,26 +65,27 @@ def socket_dir(create: bool = True) -> Optional[str]:
     return path
 
 
-def socket_path(port: int, create: bool = True) -> Optional[str]:
-    """Where the server of TCP port ``port`` on this machine listens locally (None: nowhere
+def socket_path(host: str, port: int, create: bool = True) -> Optional[str]:
+    """Where the server of TCP ``host:port`` on this machine listens locally (None: nowhere
     safe)."""
     folder = socket_dir(create)
     if folder is None:
         return None
-    path = os.path.join(folder, f"{int(port)}.sock")
+    name = re.sub(r"[^A-Za-z0-9.:-]", "_", str(host)) or "_"
+    path = os.path.join(folder, f"{name}-{int(port)}.sock")
     return path if len(path.encode()) <= _MAX_PATH else None
 
 
-def listen(port: int, backlog: int) -> Optional[socket.socket]:
-    """A non-blocking Unix-domain socket listening for the server of TCP port ``port`` (which
+def listen(host: str, port: int, backlog: int) -> Optional[socket.socket]:
+    """A non-blocking Unix-domain socket listening for the server of TCP ``host:port`` (which
     the caller has bound already), or None when none can be made (logged)."""
-    path = socket_path(port)
+    path = socket_path(host, port)
     if path is None:
         log.info("port %d: no private folder for a same-machine socket; TCP only", port)
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        unlink(path)  # left by an earlier server of this port: ours now (we hold the port)
+        unlink(path)  # left by an earlier server of this address: ours now (we hold it)
         sock.bind(path)
         os.chmod(path, 0o600)
         sock.listen(backlog)
@@ -125,10 +129,10 @@ def is_local_host(host: str) -> bool:
     return bool(infos)
 
 
-def connect_unix(port: int, timeout: float) -> Optional[socket.socket]:
-    """A connected Unix-domain socket to the local server of ``port``, or None when there is
-    none (no socket file, nobody listening, an unsafe folder)."""
-    path = socket_path(port, create=False)
+def connect_unix(host: str, port: int, timeout: float) -> Optional[socket.socket]:
+    """A connected Unix-domain socket to the local server of ``host:port``, or None when there
+    is none (no socket file, nobody listening, an unsafe folder)."""
+    path = socket_path(host, port, create=False)
     if path is None:
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

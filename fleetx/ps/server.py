@@ -59,6 +59,7 @@ from fleetx.ps.roster import Roster
 from fleetx.ps.shard_requests import ShardRequests
 from fleetx.ps.rounds import Waiting, Waits, stalled
 from fleetx.ps.shard import Shard
+from fleetx.ps.snapshots import Snapshots
 from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor, RateLimitedLog
 from fleetx.ps.handshake import require_secret
 from fleetx.ps.links import LinkSet
@@ -117,8 +118,25 @@ class PSServer:
         if load_dir:
             load_dir = [confine(str(d), self.save_root) for d in load_dir] \
                 if isinstance(load_dir, (list, tuple)) else confine(load_dir, self.save_root)
-        self.shard = Shard(config, index, tables, load_dir, capacity, load_tables)
-        if load_dir:
+        self._snapshots = Snapshots(config, index) if config.failover else None
+        restart = self._snapshots is not None and config.restart_count > 0
+        restoring = restart and self._snapshots.available()
+        self.shard = Shard(config, index, tables, None if restoring else load_dir, capacity,
+                           load_tables)
+        self._pushes: dict[int, int] = {}  # pushes applied per worker rank (failover reports)
+        self.restored = self._snapshots.restore(self.shard) if restoring else None
+        if self.restored is not None:
+            self._pushes = dict(self.restored.pushes)
+            log.warning("%s: restarted (restart %d): loaded snapshot %s written %s from %s; "
+                        "updates applied after it are lost", self.name, config.restart_count,
+                        self.restored.save_id, self.restored.created, self._snapshots.dirname)
+        elif restart:
+            log.warning("%s: restarted (restart %d) before its first snapshot: starting as at "
+                        "the first start (%s, the tables' initializers with the same seed); the "
+                        "workers send their initial values again", self.name,
+                        config.restart_count, f"loaded from {load_dir}" if load_dir else
+                        "no checkpoint")
+        if load_dir and not restoring:
             log.info("%s: loaded from %s", self.name, load_dir)
         self._queue: queue.Queue = queue.Queue()
         self.roster = Roster(config, read_only, self.name, on_change=self._progress)
@@ -250,6 +268,8 @@ class PSServer:
             if now >= next_stall_check:  # timeouts are seconds long: not on every request
                 self._check_stalls(now)
                 next_stall_check = now + _STALL_CHECK_S
+            if self._snapshots is not None and self._snapshots.due(now):
+                self._snapshot()
             if now >= next_log:
                 rate = (self._requests - last_requests) / (now - last_t)
                 log.info("%s: %s", self.name, self._stats_line(rate))
@@ -257,6 +277,15 @@ class PSServer:
                     self._requests, now
             if self.roster.finished():
                 self._done.set()
+
+    def _snapshot(self) -> None:
+        """Failover: snapshot the shard now (a failure is logged; serving goes on and the
+        previous snapshot stays)."""
+        try:
+            self._snapshots.take(self.shard, self._pushes)
+        except (CheckpointError, OSError) as e:
+            self._snapshots.last = time.monotonic()  # try again after the interval
+            log.error("%s: snapshot failed (the previous one stays): %s", self.name, e)
 
     def _dispatch(self, link: Link, msg: Message) -> None:
         try:
@@ -271,6 +300,8 @@ class PSServer:
             if worker is not None and worker.link is link:
                 worker.last_request = time.monotonic()
             reply = handler(link, msg)
+            if msg.kind == Kind.INIT and self._snapshots is not None:
+                self._snapshot()  # answered once a restart would find the initial values
             if worker is not None and worker.link is link:  # a long SAVE/INIT is work too
                 worker.last_request = time.monotonic()
         except (PSError, CheckpointError) as e:
@@ -315,8 +346,15 @@ class PSServer:
 
     def _on_hello(self, link: Link, msg: Message) -> Message:
         self.roster.register(link, msg.meta, self.tables.fingerprint(), self.config.mode.value)
-        return msg.reply({"server": self.index, "initialized": sorted(self.shard.initialized),
-                          "read_only": self.read_only})
+        meta = {"server": self.index, "initialized": sorted(self.shard.initialized),
+                "read_only": self.read_only}
+        if self.config.failover:  # a reconnecting worker tells what it lost
+            rank = link.peer_info["rank"]
+            meta["restart"] = self.config.restart_count
+            meta["restored"] = None if self.restored is None else {
+                "save_id": self.restored.save_id, "created": self.restored.created,
+                "pushes": self.restored.pushes.get(rank, 0)}
+        return msg.reply(meta)
 
     def _on_infer(self, link: Link, msg: Message) -> Message:
         """The worker turned to inference: refuse its writes from now on, and let the sync
@@ -365,6 +403,8 @@ class PSServer:
         return Push([], [], push.nonfinite)
 
     def _push_reply(self, link: Link, msg: Message, push: Push) -> Message:
+        rank = link.peer_info["rank"]  # applied: counted for the snapshots
+        self._pushes[rank] = self._pushes.get(rank, 0) + 1
         meta = {"skipped_nonfinite": push.nonfinite} if push.nonfinite else {}
         return msg.reply(meta, self.shard.push_reply(msg.meta, link.peer_info["rank"]))
 

@@ -111,6 +111,19 @@ class Tracker:
             self._pending[req_id] = (handle, part, peer, targets)
         return req_id
 
+    def attach(self, req_id: int, msg: Message) -> None:
+        """Keep the request's message, to send it again (failover: its server restarted)."""
+        with self._lock:
+            entry = self._pending.get(req_id)
+            if entry is not None:
+                self._pending[req_id] = entry[:4] + (msg,)
+
+    def unanswered(self, peer: int) -> list[Message]:
+        """The kept messages of the requests still pending on ``peer``, oldest first."""
+        with self._lock:
+            return [e[4] for k, e in sorted(self._pending.items())
+                    if e[2] == peer and len(e) > 4]
+
     def targets(self, req_id: int) -> Optional[list]:
         with self._lock:
             entry = self._pending.get(req_id)

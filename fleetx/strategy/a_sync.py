@@ -33,6 +33,7 @@ from fleetx import env
 from fleetx.comm.groups import default_timeout
 from fleetx.ps.api import CommunicatorConfig, PSConfig, RuleConfig
 from fleetx.ps.handshake import settings_from_env
+from fleetx.ps.snapshots import failover_from_env
 from fleetx.ps_torch.runtime import PSRuntime
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
@@ -110,7 +111,8 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
                     dead_after=env.get_float("FLEETX_PS_DEAD_AFTER", 15.0, e),
                     timeout=default_timeout(e),
                     log_interval=interval if interval > 0 else float("inf"),
-                    heter_workers=world.heter_endpoints, **_ps_limits(e), **settings_from_env(e))
+                    heter_workers=world.heter_endpoints, **_ps_limits(e), **settings_from_env(e),
+                    **failover_from_env(e))
 
 
 def _log_interval(world) -> float:

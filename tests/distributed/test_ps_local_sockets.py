@@ -47,7 +47,7 @@ def family(client) -> int:
 def test_a_worker_on_the_same_machine_uses_the_private_socket(server, private_tmp):
     srv, cfg = server()
     port = int(cfg.servers[0].rpartition(":")[2])
-    path = private_tmp / f"{port}.sock"
+    path = private_tmp / f"127.0.0.1-{port}.sock"
     assert stat.S_IMODE(private_tmp.stat().st_mode) == 0o700
     assert stat.S_ISSOCK(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
     c = worker(cfg)
@@ -95,7 +95,7 @@ def test_a_file_left_by_a_dead_server_is_replaced(server, private_tmp):
     srv.stop()  # its port is free again; a dead server of that port left its socket file
     private_tmp.mkdir(mode=0o700, exist_ok=True)
     stale = socket.socket(socket.AF_UNIX)
-    stale.bind(str(private_tmp / f"{port}.sock"))
+    stale.bind(str(private_tmp / f"127.0.0.1-{port}.sock"))
     stale.close()
     srv, cfg = server(config(servers=[f"127.0.0.1:{port}"]))
     c = worker(cfg)
@@ -106,7 +106,7 @@ def test_a_file_left_by_a_dead_server_is_replaced(server, private_tmp):
 def test_a_stranger_on_the_private_socket_gets_nothing(server, private_tmp):
     srv, cfg = server(config(workers=1))
     port = int(cfg.servers[0].rpartition(":")[2])
-    path = str(private_tmp / f"{port}.sock")
+    path = str(private_tmp / f"127.0.0.1-{port}.sock")
     for attack in (hello(0), frame(1, {"x": 1}), os.urandom(200), b""):
         s = socket.socket(socket.AF_UNIX)
         s.connect(path)
@@ -147,4 +147,23 @@ def test_a_path_too_long_for_a_socket_is_not_used(monkeypatch, tmp_path):
     deep = tmp_path / ("d" * 120)
     deep.mkdir()
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(deep))
-    assert local.socket_path(6000) is None and local.listen(6000, 8) is None
+    assert local.socket_path("127.0.0.1", 6000) is None and local.listen("127.0.0.1", 6000, 8) is None
+
+
+def test_two_servers_on_one_port_at_two_addresses_keep_their_own_sockets(server, private_tmp):
+    """Two network namespaces sharing a file system (or two interfaces of one host) may run a
+    server each on the same port: each worker reaches its own server."""
+    a, cfg_a = server(config(workers=1))
+    port = int(cfg_a.servers[0].rpartition(":")[2])
+    try:
+        b, cfg_b = server(config(workers=1, servers=[f"127.0.0.2:{port}"]))
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"cannot listen on 127.0.0.2:{port} here: {e}")
+    assert sorted(p.name for p in private_tmp.glob("*.sock")) == sorted(
+        [f"127.0.0.1-{port}.sock", f"127.0.0.2-{port}.sock"])
+    ca, cb = worker(cfg_a), worker(cfg_b)
+    assert family(ca) == family(cb) == socket.AF_UNIX
+    ca.push({"emb": (np.arange(2), np.ones((2, 8), np.float32))}).wait()
+    assert a.stats()["requests"] >= 2 and b.stats()["requests"] == 1  # b: only its HELLO
+    ca.stop()
+    cb.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns_nodes  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 _CONSOLE = Path(sys.executable).with_name("fleetrun")
@@ -184,37 +186,7 @@ def test_bad_flag_value_exits_2_naming_the_flag(tmp_path):
 
 
 # -- two nodes: network namespaces joined by a veth pair ------------------------------------
-def _ip(*args) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-@pytest.fixture
-def two_nodes():
-    """Two network namespaces, 10.233.<n>.1 and .2, each with its end of a veth pair."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("CI must run the two-node test: it needs root and iproute2 (scripts/setup.sh)")
-        pytest.skip("needs root and iproute2 for network namespaces")
-    tag = f"{os.getpid() % 100000}"
-    names, links = [f"fxa{tag}", f"fxb{tag}"], [f"fxva{tag}", f"fxvb{tag}"]
-    net = 10 + os.getpid() % 240
-    addrs = [f"10.233.{net}.1", f"10.233.{net}.2"]
-    try:
-        for ns in names:
-            _ip("netns", "add", ns)
-        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
-        for ns, link, addr in zip(names, links, addrs):
-            _ip("link", "set", link, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", link)
-            _ip("-n", ns, "link", "set", link, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as exc:
-        for ns in names:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot build network namespaces here: {exc.stderr!r}")
-    yield list(zip(names, links, addrs))
-    for ns in names:  # deleting a namespace deletes its end of the veth pair, and so the pair
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+two_nodes = netns_nodes.two_nodes  # unique names per test, always removed with what runs there
 
 
 def test_two_nodes_find_their_rank_from_their_addresses(tmp_path, two_nodes):

@@ -34,6 +34,7 @@ ap.add_argument("--save-at", action="append", default=[],
 ap.add_argument("--load", default=None, help="a save folder, or base,delta,... (a chain)")
 ap.add_argument("--sleep-rank1", type=float, default=0.0)
 ap.add_argument("--stop-rank1-after", type=int, default=-1)
+ap.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each step")
 ap.add_argument("--prefetch", action="store_true", help="iterate through fleet.prefetch")
 args = ap.parse_args()
 
@@ -82,6 +83,9 @@ for step, data in batches:
     loss = loss_of(model, *data)
     opt.minimize(loss)
     losses.append(loss.item())
+    if args.pause:
+        print(f"worker {rank} step {step}", flush=True)
+        time.sleep(args.pause)
     for at in args.save_at:
         at_step, mode, dirname = at.split(":", 2)
         if int(at_step) == step:

@@ -1,0 +1,157 @@
+"""A server's own snapshots, for failover (``fleetrun --max_restarts N`` in a PS job).
+
+With ``PSConfig.snapshot_dir`` set, server ``i`` of ``n`` keeps the latest copy of its shard
+in ``<snapshot_dir>/server-<i>-of-<n>/``: a checkpoint of :mod:`fleetx.checkpoint` (written
+beside the previous one, committed by renaming its manifest, so a kill at any moment leaves a
+whole snapshot) holding one save-mode-0 server folder (:func:`fleetx.ps.checkpoint.save_server`:
+every row with its optimizer state and statistics, the dense slices with theirs). The
+manifest's ``info`` records the job (``PSConfig.snapshot_job``: a snapshot of an earlier job in
+the same folder is never loaded) and how many pushes of each worker the shard had applied, so
+that a worker reconnecting to the restarted server can say how many of its updates were lost.
+
+Snapshots never touch the chain of the user's own saves (``save_persistables``): a delta saved
+after a snapshot still follows the user's last save.
+
+Example:
+    >>> snaps = Snapshots(config, 0)                                # doctest: +SKIP
+    >>> restored = snaps.restore(shard)      # None: none of this job yet
+    >>> snaps.take(shard, {0: 12, 1: 9})
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Mapping, NamedTuple, Optional
+
+import numpy as np
+
+from fleetx import env
+from fleetx.checkpoint import Checkpoint, CheckpointError, SaveWriter
+from fleetx.checkpoint.manifest import has_checkpoint
+from fleetx.ps.api import PSConfig
+from fleetx.ps.chain import Save, read_meta
+from fleetx.ps.checkpoint import _load_sparse, save_server, server_folder
+from fleetx.ps.partition import server_of
+
+__all__ = ["Snapshots", "Restored", "failover_from_env"]
+
+log = logging.getLogger("fleetx.ps")
+
+
+def failover_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """``PSConfig`` failover fields from the environment fleetrun writes with
+    ``--max_restarts``: ``FLEETX_PS_CHECKPOINT_DIR`` (unset: no failover),
+    ``FLEETX_PS_CHECKPOINT_INTERVAL`` (seconds), ``FLEETX_PS_JOB_ID`` and
+    ``TORCHELASTIC_RESTART_COUNT``.
+
+    Raises:
+        fleetx.env.EnvError: a number is malformed.
+    """
+    folder = env.get("FLEETX_PS_CHECKPOINT_DIR", None, environ)
+    if not folder:
+        return {}
+    return {"snapshot_dir": folder,
+            "snapshot_interval": env.get_float("FLEETX_PS_CHECKPOINT_INTERVAL", 30.0, environ),
+            "snapshot_job": env.get("FLEETX_PS_JOB_ID", "", environ),
+            "restart_count": env.get_int("TORCHELASTIC_RESTART_COUNT", 0, environ)}
+
+
+class Restored(NamedTuple):
+    """The snapshot a restarted server loaded: its save id, when it was written (UTC text),
+    and each worker rank's pushes it holds."""
+
+    save_id: str
+    created: str
+    pushes: dict
+
+
+class Snapshots:
+    """Server ``index``'s snapshots under ``config.snapshot_dir``.
+
+    Args:
+        config: the cluster; ``snapshot_dir`` must be set.
+        index: the server.
+    """
+
+    def __init__(self, config: PSConfig, index: int) -> None:
+        self.config, self.index = config, index
+        self.folder = server_folder(index, config.num_servers)
+        self.dirname = os.path.join(os.path.abspath(config.snapshot_dir), self.folder)
+        self.last = time.monotonic()  # the interval counts from the start
+        self.taken = 0
+
+    def due(self, now: float) -> bool:
+        return now - self.last >= self.config.snapshot_interval
+
+    def available(self) -> bool:
+        """A snapshot of this job is committed here (it may still prove damaged on load)."""
+        if not has_checkpoint(self.dirname):
+            return False
+        try:
+            return Checkpoint(self.dirname).manifest.info.get("snapshot_job") == \
+                self.config.snapshot_job
+        except CheckpointError as e:
+            log.error("server %d: snapshot in %s unreadable: %s", self.index, self.dirname, e)
+            return False
+
+    def take(self, shard, pushes: dict) -> str:
+        """Write and commit a snapshot of ``shard``; returns its save id.
+
+        Raises:
+            CheckpointError: a table holds NaN or inf, or a file cannot be written (the
+                previous snapshot stays).
+        """
+        began = time.monotonic()
+        writer = SaveWriter(self.dirname)
+        rows = save_server(writer, self.index, self.config.num_servers, self.config.shard_num,
+                           shard.sparse, shard.dense, 0)
+        writer.commit({"mode": 0, "snapshot_job": self.config.snapshot_job,
+                       "pushes": {str(r): int(n) for r, n in pushes.items()},
+                       "initialized": sorted(shard.initialized)})
+        self.last, self.taken = time.monotonic(), self.taken + 1
+        log.info("server %d: snapshot %s written to %s (%s rows, %.2f s)", self.index,
+                 writer.save_id, self.dirname, sum(rows.values()), self.last - began)
+        return writer.save_id
+
+    def restore(self, shard) -> Optional[Restored]:
+        """Load this job's latest snapshot into ``shard`` (its tables as a fresh server built
+        them); None when there is none (the shard is left as it is).
+
+        Raises:
+            CheckpointError: the snapshot is damaged (a file does not match its manifest).
+        """
+        if not self.available():
+            return None
+        ckpt = Checkpoint(self.dirname)
+        info = ckpt.manifest.info
+        meta = read_meta(ckpt, f"{self.folder}/meta.json")
+        save = Save(ckpt, [(self.folder, meta)], 0, None, None)
+
+        def mine(keys):
+            return server_of(keys, self.config.num_servers, self.config.shard_num) == self.index
+
+        for name, t in shard.sparse.items():
+            if name in meta["tables"]:
+                _load_sparse(save, name, t, mine)
+        for name, t in shard.dense.items():
+            if name in meta["tables"]:
+                _load_dense(ckpt, self.folder, meta["tables"][name], name, t)
+        shard.initialized |= set(info.get("initialized", ())) & set(meta["tables"])
+        pushes = {int(r): int(n) for r, n in dict(info.get("pushes", {})).items()}
+        return Restored(ckpt.save_id, ckpt.manifest.created, pushes)
+
+
+def _load_dense(ckpt: Checkpoint, folder: str, info: dict, name: str, t) -> None:
+    """This server's own slice of dense table ``name``, with its optimizer state."""
+    rel = f"{folder}/dense-{name}.npy"
+    if (info.get("start"), info.get("stop")) != (t.start, t.stop):
+        raise CheckpointError(f"{ckpt.folder}: {rel} holds [{info.get('start')}, "
+                              f"{info.get('stop')}), this server owns [{t.start}, {t.stop})",
+                              ckpt.path(rel))
+    row = ckpt.read_array(rel)
+    if row.dtype != np.float32 or row.shape != (t.slab.shape[1],) or \
+            not np.isfinite(row).all():
+        raise CheckpointError(f"{ckpt.path(rel)}: expected {t.slab.shape[1]} finite float32 "
+                              f"values, got {row.dtype} {row.shape}", ckpt.path(rel))
+    t.assign(row[:t.numel], row[t.numel:])

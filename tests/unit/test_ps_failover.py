@@ -1,0 +1,218 @@
+"""Server failover in one process (servers on threads, real loopback sockets): snapshots, a
+restarted server loading its latest one, a worker reconnecting and resending what was not
+answered, and what it reports lost; the flags and variables that turn failover on."""
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fleetx.launch.api import ConfigError
+from fleetx.launch.config import LaunchConfig
+from fleetx.launch.ps import plan
+from fleetx.ps import (DenseTableSpec, InitConfig, KVClient, PSConfig, PSConfigError, PSServer,
+                       RuleConfig, SparseTableSpec, Tables)
+from fleetx.ps.api import PeerLostError
+from fleetx.ps.partition import server_of
+from fleetx.ps.snapshots import Snapshots, failover_from_env
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import free_ports  # noqa: E402  (tests/helpers.py)
+
+TABLES = Tables((SparseTableSpec("emb", 3, RuleConfig("adagrad", lr=0.5),
+                                 InitConfig("uniform", low=-1, high=1, seed=5)),),
+                (DenseTableSpec("dense", 10, RuleConfig("adagrad", lr=0.5)),))
+IDS = np.arange(40, dtype=np.int64)
+
+
+def config(tmp_path, restart=0, job="job-a", **kw):
+    ports = kw.pop("ports", None) or free_ports(2)
+    return PSConfig([f"127.0.0.1:{p}" for p in ports], 1, mode="async", heartbeat_interval=0.2,
+                    dead_after=2.0, timeout=kw.pop("timeout", 20), snapshot_dir=str(tmp_path),
+                    snapshot_interval=kw.pop("interval", 3600.0), snapshot_job=job,
+                    restart_count=restart, **kw)
+
+
+def push(client, k=1.0):
+    grads = np.full((len(IDS), 3), k, np.float32)
+    client.push({"emb": (IDS, grads)}, {"dense": np.full(10, k, np.float32)}).wait(10)
+
+
+def pulled(client):
+    r = client.pull({"emb": IDS}, ["dense"]).wait(10)
+    return r.sparse["emb"].expand().copy(), r.dense["dense"].copy()
+
+
+@pytest.fixture
+def job(tmp_path):
+    cfg = config(tmp_path)
+    servers = [PSServer(cfg, i, TABLES).start() for i in range(2)]
+    client = KVClient(cfg, 0, TABLES)
+    client.start()
+    client.init(dense={"dense": np.linspace(0, 1, 10, dtype=np.float32)}).wait(10)
+    yield cfg, servers, client
+    client._failover.stopping = True
+    client.stop()
+    for s in servers:
+        s.stop()
+
+
+def restart(tmp_path, cfg, servers, index):
+    """What fleetrun does to a server killed by a signal: the process is gone, a new one with
+    the same endpoint and TORCHELASTIC_RESTART_COUNT=1 starts and serves."""
+    servers[index].stop()
+    ports = [int(e.rpartition(":")[2]) for e in cfg.servers]
+    again = config(tmp_path, restart=1, ports=ports)
+    servers[index] = PSServer(again, index, TABLES).start()
+    return servers[index]
+
+
+def test_a_restarted_server_serves_its_snapshot_and_the_worker_reports_the_lost_pushes(
+        tmp_path, job, caplog):
+    cfg, servers, client = job
+    push(client)
+    servers[0]._snapshot()  # the handler's periodic snapshot, taken now
+    at_snapshot = pulled(client)
+    push(client, 2.0)
+    push(client, 3.0)  # two pushes server 0 takes with it
+    after = pulled(client)
+    with caplog.at_level(logging.WARNING, logger="fleetx.ps"):
+        server = restart(tmp_path, cfg, servers, 0)
+        rows, dense = pulled(client)  # waits for the reconnection, then is answered
+    lo, hi = server.shard.dense["dense"].start, server.shard.dense["dense"].stop
+    # server 0's part is the snapshot's; server 1's part kept the later pushes
+    np.testing.assert_array_equal(dense[lo:hi], at_snapshot[1][lo:hi])
+    np.testing.assert_array_equal(dense[hi:], after[1][hi:])
+    assert not np.array_equal(at_snapshot[1][lo:hi], after[1][lo:hi])
+    owned = server_of(IDS, cfg.num_servers, cfg.shard_num) == 0
+    assert owned.any() and not owned.all()
+    np.testing.assert_array_equal(rows[owned], at_snapshot[0][owned])
+    np.testing.assert_array_equal(rows[~owned], after[0][~owned])
+    text = caplog.text
+    assert "lost server 0" in text and "failover: reconnecting" in text
+    assert "push(es) of this worker it had applied after that are lost" in text
+    assert "2 push(es)" in text, text
+    assert server.restored is not None
+    push(client, 1.0)  # training goes on against the restarted server
+
+
+def test_requests_sent_while_the_server_is_down_are_answered_by_the_restarted_one(tmp_path,
+                                                                                     job):
+    cfg, servers, client = job
+    servers[0]._snapshot()
+    servers[0].stop()
+    time.sleep(0.3)  # the worker saw the loss: what it sends now waits for the reconnection
+    handle = client.pull(dense=["dense"])
+    assert not handle.done()
+    ports = [int(e.rpartition(":")[2]) for e in cfg.servers]
+    servers[0] = PSServer(config(tmp_path, restart=1, ports=ports), 0, TABLES).start()
+    assert handle.wait(15).dense["dense"].shape == (10,)
+
+
+def test_a_server_that_does_not_come_back_is_named_after_the_timeout(tmp_path):
+    cfg = config(tmp_path, timeout=2)
+    servers = [PSServer(cfg, i, TABLES).start() for i in range(2)]
+    client = KVClient(cfg, 0, TABLES)
+    client.start()
+    try:
+        servers[0].stop()
+        with pytest.raises(PeerLostError, match=r"server 0 .*not back within 2 s"):
+            client.pull(dense=["dense"]).wait(20)
+    finally:
+        client.stop()
+        servers[1].stop()
+
+
+def test_a_restart_before_the_first_snapshot_starts_afresh_and_says_so(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="fleetx.ps"):
+        server = PSServer(config(tmp_path, restart=1), 0, TABLES)
+    assert server.restored is None and not server.shard.initialized
+    assert "before its first snapshot" in caplog.text
+
+
+def test_an_init_is_answered_once_a_snapshot_holds_it(tmp_path, job):
+    cfg, servers, client = job
+    for i in range(2):  # INIT took a snapshot on each server before answering
+        assert Snapshots(cfg, i).available()
+
+
+def test_another_jobs_snapshot_is_not_loaded(tmp_path, job):
+    cfg, servers, client = job
+    servers[0]._snapshot()
+    other = PSServer(config(tmp_path, restart=1, job="job-b"), 0, TABLES)
+    assert other.restored is None
+    same = PSServer(config(tmp_path, restart=1), 0, TABLES)
+    assert same.restored is not None and same.shard.initialized == {"dense"}
+
+
+def test_a_damaged_snapshot_is_an_error_naming_the_file(tmp_path, job):
+    cfg, servers, client = job
+    servers[0]._snapshot()
+    snap = Snapshots(cfg, 0)
+    folder = next(p for p in Path(snap.dirname).iterdir() if p.name.startswith("save-"))
+    victim = next(folder.rglob("dense-dense.npy"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="dense-dense.npy"):
+        PSServer(config(tmp_path, restart=1), 0, TABLES)
+
+
+def test_failover_is_async_only_for_now():
+    with pytest.raises(PSConfigError, match="failover .* supports async mode"):
+        PSConfig(["127.0.0.1:1"], 1, mode="sync", snapshot_dir="/tmp/x")
+
+
+def test_the_variables_fleetrun_writes_turn_failover_on():
+    assert failover_from_env({}) == {}
+    got = failover_from_env({"FLEETX_PS_CHECKPOINT_DIR": "/s", "FLEETX_PS_CHECKPOINT_INTERVAL":
+                             "2.5", "FLEETX_PS_JOB_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert got == {"snapshot_dir": "/s", "snapshot_interval": 2.5, "snapshot_job": "j",
+                   "restart_count": 1}
+
+
+def _plan(tmp_path, **kw):
+    cfg = LaunchConfig(training_script=__file__, server_num=1, worker_num=1,
+                       log_dir=str(tmp_path / "log"), **kw)
+    return plan(cfg, is_local=lambda a: True, free_ports=lambda n: free_ports(n),
+                make_secret=lambda: "s" * 64)
+
+
+def test_max_restarts_turns_failover_on_for_every_process(tmp_path):
+    p = _plan(tmp_path, max_restarts=2, checkpoint_interval="2m")
+    assert p.max_restarts == 2
+    for proc in p.local:
+        assert proc.env["FLEETX_PS_CHECKPOINT_DIR"] == str(tmp_path / "log" / "ps_snapshots")
+        assert proc.env["FLEETX_PS_CHECKPOINT_INTERVAL"] == "120"
+        assert proc.env["FLEETX_PS_JOB_ID"]
+    assert "failover" in p.describe()
+    p = _plan(tmp_path, max_restarts=1, checkpoint_dir=str(tmp_path / "snaps"))
+    assert p.local[0].env["FLEETX_PS_CHECKPOINT_DIR"] == str(tmp_path / "snaps")
+    assert p.local[0].env["FLEETX_PS_CHECKPOINT_INTERVAL"] == "30"
+    assert "FLEETX_PS_CHECKPOINT_DIR" not in _plan(tmp_path).local[0].env
+
+
+@pytest.mark.parametrize("kw, flag, message", [
+    ({"checkpoint_interval": "10"}, "--checkpoint_interval", "give --max_restarts"),
+    ({"checkpoint_dir": "x"}, "--checkpoint_dir", "give --max_restarts"),
+])
+def test_snapshot_flags_without_max_restarts_are_refused(tmp_path, kw, flag, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        _plan(tmp_path, **kw)
+    assert flag in str(e.value)
+
+
+@pytest.mark.parametrize("text, seconds", [("30", 30.0), ("30s", 30.0), ("2.5m", 150.0),
+                                           ("1h", 3600.0)])
+def test_the_interval_syntax(tmp_path, text, seconds):
+    assert _plan(tmp_path, max_restarts=1, checkpoint_interval=text).local[0].env[
+        "FLEETX_PS_CHECKPOINT_INTERVAL"] == f"{seconds:g}"
+
+
+@pytest.mark.parametrize("text", ["soon", "0", "-1s", "inf"])
+def test_a_bad_interval_names_the_flag_and_the_syntax(text):
+    with pytest.raises(ConfigError, match="--checkpoint_interval"):
+        LaunchConfig(training_script=__file__, server_num=1, worker_num=1, max_restarts=1,
+                     checkpoint_interval=text)
