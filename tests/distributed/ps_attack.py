@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fleetx.ps import (DenseTableSpec, InitConfig, KVClient, PSConfig, PSServer, RuleConfig,
                        SparseTableSpec, Tables)
@@ -42,6 +43,19 @@ def serve(cfg: PSConfig) -> tuple[PSServer, PSConfig]:
     """A started in-process server, and the config with its real endpoint."""
     server = PSServer(cfg, 0, TABLES).start()
     return server, dataclasses.replace(cfg, servers=(server.endpoint,))
+
+
+@pytest.fixture
+def server():
+    """``server(cfg=None) -> (PSServer, its config)``: servers in this process, stopped after."""
+    made = []
+
+    def make(cfg=None):
+        made.append(serve(cfg or config()))
+        return made[-1]
+    yield make
+    for s, _ in made:
+        s.stop()
 
 
 def worker(cfg: PSConfig, rank: int = 0) -> KVClient:

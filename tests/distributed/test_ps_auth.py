@@ -16,25 +16,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ps_attack import (SECRET, TABLES, authed, config, frame, hello, raw,  # noqa: E402
-                       read_until_closed, serve, worker)
+                       read_until_closed, serve, server, worker)
 
 from fleetx.ps import AuthError, PSConfigError, PSServer  # noqa: E402
 from fleetx.ps import handshake  # noqa: E402
 from fleetx.ps.api import Kind  # noqa: E402
 from fleetx.ps.handshake import (CHALLENGE, OK, REJECTED, RESPONSE_BYTES,  # noqa: E402
                                  client_handshake)
-
-
-@pytest.fixture
-def server():
-    made = []
-
-    def make(cfg=None):
-        made.append(serve(cfg or config()))
-        return made[-1]
-    yield make
-    for s, _ in made:
-        s.stop()
 
 
 def rejected(sock: socket.socket, answer: bytes) -> bytes:

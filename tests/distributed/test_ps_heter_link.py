@@ -271,13 +271,19 @@ def test_a_heter_worker_that_stops_answering_is_named_after_the_timeout(monkeypa
             gate.set()
             rt.stop_worker()
 
+    roles = with_heter_worker(config, trainer)
+    assert "trainer 0" not in roles.errors, roles.errors["trainer 0"]
+    assert 1.9 < roles.results["trainer 0"] < 10
+
+
+def with_heter_worker(config, trainer) -> "hc.Roles":
+    """A server, a heter worker and ``trainer`` (trainer 0) on threads, joined."""
     roles = hc.Roles()
     roles.start("server", lambda: hc.serve(config, "server", LR))
     roles.start("heter", lambda: hc.serve(config, "heter", LR))
     roles.start("trainer 0", trainer)
     roles.join()
-    assert "trainer 0" not in roles.errors, roles.errors["trainer 0"]
-    assert 1.9 < roles.results["trainer 0"] < 10
+    return roles
 
 
 def test_pending_graphs_are_capped_without_a_deadlock(monkeypatch):
@@ -311,10 +317,6 @@ def test_pending_graphs_are_capped_without_a_deadlock(monkeypatch):
         finally:
             rt.stop_worker()
 
-    roles = hc.Roles()
-    roles.start("server", lambda: hc.serve(config, "server", LR))
-    roles.start("heter", lambda: hc.serve(config, "heter", LR))
-    roles.start("trainer 0", trainer)
-    roles.join()
+    roles = with_heter_worker(config, trainer)
     assert not roles.errors, roles.errors
     assert len(roles.results["trainer 0"]) == 4

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ps_attack import config, frame, hello, read_until_closed, serve, worker  # noqa: E402
+from ps_attack import config, frame, hello, read_until_closed, serve, server, worker  # noqa: E402
 
 from fleetx.ps import AuthError, local  # noqa: E402
 from fleetx.ps.handshake import CHALLENGE, REJECTED, RESPONSE_BYTES  # noqa: E402
@@ -26,18 +26,6 @@ def private_tmp(tmp_path, monkeypatch):
     """The sockets' folder under this test's own temporary directory."""
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     return tmp_path / f"fleetx-ps-{os.geteuid()}"
-
-
-@pytest.fixture
-def server():
-    made = []
-
-    def make(cfg=None):
-        made.append(serve(cfg or config()))
-        return made[-1]
-    yield make
-    for s, _ in made:
-        s.stop()
 
 
 def family(client) -> int:
