@@ -45,7 +45,9 @@ class Failover:
     def __init__(self, client: Any) -> None:
         n = client.config.num_servers
         self.client = client
-        self._locks = [threading.Lock() for _ in range(n)]
+        # reentrant: a send that fails reports the loss (Link._lose -> lost) on the thread
+        # that holds the server's lock to send
+        self._locks = [threading.RLock() for _ in range(n)]
         self._down = [False] * n
         self.acked = [0] * n  # pushes each server answered (it applied them)
         self.stopping = False
@@ -105,12 +107,12 @@ class Failover:
             self.client._heartbeats.add(link)
             again = self.client._tracker.unanswered(s)
             self._report(s, name, meta, time.monotonic() - began, len(again))
+            self._down[s] = False  # before the resends: a loss during them reconnects again
             for msg in again:
                 try:
                     link.send(msg)
                 except PeerLostError:
-                    break  # lost again: its loss starts another reconnection
-            self._down[s] = False
+                    break  # lost again: lost() started another reconnection
 
     def _hello(self, s: int, name: str, deadline: float) -> tuple[Link, dict]:
         c, client = self.client.config, self.client

@@ -3,6 +3,7 @@ restarted server loading its latest one, a worker reconnecting and resending wha
 answered, and what it reports lost; the flags and variables that turn failover on."""
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -109,6 +110,58 @@ def test_requests_sent_while_the_server_is_down_are_answered_by_the_restarted_on
     ports = [int(e.rpartition(":")[2]) for e in cfg.servers]
     servers[0] = PSServer(config(tmp_path, restart=1, ports=ports), 0, TABLES).start()
     assert handle.wait(15).dense["dense"].shape == (10,)
+
+
+class _BrokenSends:
+    """A socket whose sends fail as on a peer that died (EPIPE); everything else is the real
+    socket's."""
+
+    def __init__(self, sock):
+        self._sock = sock
+
+    def sendmsg(self, *args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+@pytest.mark.parametrize("broken", ["first send", "resend"])
+def test_a_loss_the_worker_sees_on_its_own_send_reconnects_instead_of_hanging(tmp_path, job,
+                                                                              broken):
+    """The worker's send, not its receive thread, notices the dead server first (EPIPE): it
+    must start the reconnection, not wait on its own lock. Likewise when the restarted server
+    dies again while the worker sends it the requests of the last loss."""
+    cfg, servers, client = job
+    servers[0]._snapshot()
+    died_again = threading.Event()
+    if broken == "first send":
+        client._links[0].sock = _BrokenSends(client._links[0].sock)
+    else:
+        servers[0].stop()
+        time.sleep(0.3)  # lost; the push below waits for the reconnection
+        failover, report = client._failover, client._failover._report
+
+        def dies_before_the_resends(*args):
+            report(*args)
+            failover._report = report
+            servers[0].stop()
+            client._links[0].sock = _BrokenSends(client._links[0].sock)
+            died_again.set()
+        failover._report = dies_before_the_resends
+    done = []
+    thread = threading.Thread(target=lambda: done.append(push(client)), daemon=True)
+    thread.start()
+    if broken == "first send":
+        thread.join(1.0)  # the push is sent: on a link whose sends fail
+        servers[0].stop()
+    else:
+        restart(tmp_path, cfg, servers, 0)
+        assert died_again.wait(15)
+    restart(tmp_path, cfg, servers, 0)
+    thread.join(30)
+    assert done == [None], "the push never finished: the worker hangs"
+    assert client._failover.acked[0] >= 1 and not any(client._failover._down)
 
 
 def test_a_server_that_does_not_come_back_is_named_after_the_timeout(tmp_path):
