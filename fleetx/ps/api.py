@@ -681,10 +681,6 @@ class PSConfig:
                  math.isfinite(self.snapshot_interval) and self.snapshot_interval > 0,
                  f"PSConfig.snapshot_interval={self.snapshot_interval!r}: expected a finite "
                  "number of seconds > 0")
-        _require(self.snapshot_dir is None or self.mode == PSMode.ASYNC,
-                 f"parameter-server failover (fleetrun --max_restarts, FLEETX_PS_CHECKPOINT_DIR)"
-                 f" supports async mode (strategy.a_sync = True, k_steps 0) so far; this job "
-                 f"runs {self.mode.value}: run it without --max_restarts")
         _require(isinstance(self.restart_count, int) and self.restart_count >= 0,
                  f"PSConfig.restart_count={self.restart_count!r}: expected an int >= 0")
 

@@ -130,6 +130,9 @@ class PSServer:
             log.warning("%s: restarted (restart %d): loaded snapshot %s written %s from %s; "
                         "updates applied after it are lost", self.name, config.restart_count,
                         self.restored.save_id, self.restored.created, self._snapshots.dirname)
+            if config.mode == PSMode.GEO:
+                log.info("%s: GEO: the workers' next exchanges bring back all %d rows",
+                         self.name, self.shard.geo_resend_all())
         elif restart:
             log.warning("%s: restarted (restart %d) before its first snapshot: starting as at "
                         "the first start (%s, the tables' initializers with the same seed); the "

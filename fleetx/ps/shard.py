@@ -123,6 +123,20 @@ class Shard:
         for name, grads in push.dense:
             self.dense[name].push(grads)
 
+    def geo_resend_all(self) -> int:
+        """GEO, after a restart from a snapshot: every row counts as changed for every worker,
+        so each worker's next exchange brings back all of this shard's rows and its local copy
+        agrees with the restored values again (rows it never hears of would otherwise keep
+        updates the server lost, and its later deltas would be measured from them). Returns
+        the rows marked."""
+        marked = 0
+        for name, table in self.sparse.items():
+            ids = np.array(table.index.keys[:len(table)], np.int64)
+            marked += len(ids)
+            for r in range(self.config.num_workers):
+                self._geo_dirty[name][r] = [ids]
+        return marked
+
     def apply_mean(self, pushes: list) -> None:
         """Sync: apply the mean of several workers' pushes (a skipped push counts as zero).
 

@@ -213,9 +213,103 @@ def test_a_damaged_snapshot_is_an_error_naming_the_file(tmp_path, job):
         PSServer(config(tmp_path, restart=1), 0, TABLES)
 
 
-def test_failover_is_async_only_for_now():
-    with pytest.raises(PSConfigError, match="failover .* supports async mode"):
-        PSConfig(["127.0.0.1:1"], 1, mode="sync", snapshot_dir="/tmp/x")
+SGD = Tables((SparseTableSpec("emb", 2, RuleConfig("sgd", lr=1.0),
+                              InitConfig("uniform", low=-1, high=1, seed=5)),),
+             (DenseTableSpec("dense", 10, RuleConfig("sgd", lr=1.0)),))
+
+
+def two_workers(tmp_path, mode, tables):
+    ports = free_ports(2)
+    cfg = PSConfig([f"127.0.0.1:{p}" for p in ports], 2, mode=mode, heartbeat_interval=0.2,
+                   dead_after=2.0, timeout=20, snapshot_dir=str(tmp_path),
+                   snapshot_interval=3600.0, snapshot_job="job-m")
+    servers = [PSServer(cfg, i, tables).start() for i in range(2)]
+    clients = [KVClient(cfg, r, tables) for r in range(2)]
+    for c in clients:
+        c.start()
+    return cfg, ports, servers, clients
+
+
+def stop_all(servers, clients):
+    for c in clients:
+        c._failover.stopping = True
+        c.stop()
+    for s in servers:
+        s.stop()
+
+
+def restarted(tmp_path, cfg, ports, servers, tables, index=0):
+    servers[index].stop()
+    again = PSConfig(cfg.servers, 2, mode=cfg.mode, heartbeat_interval=0.2, dead_after=2.0,
+                     timeout=20, snapshot_dir=str(tmp_path), snapshot_interval=3600.0,
+                     snapshot_job="job-m", restart_count=1)
+    servers[index] = PSServer(again, index, tables).start()
+    return servers[index]
+
+
+def test_a_sync_server_restarts_from_its_snapshot_and_the_waiting_round_completes(tmp_path):
+    """Sync: round 2 (after the snapshot) is lost on server 0 only; round 3, pushed while
+    server 0 is down, waits and is applied by the restarted server, as the mean of both."""
+    cfg, ports, servers, clients = two_workers(tmp_path, "sync", SGD)
+    try:
+        start = np.linspace(0, 1, 10, dtype=np.float32)
+        clients[0].init(dense={"dense": start}).wait(10)
+
+        def round_of(k):  # worker r pushes k + r everywhere: the round's mean is k + 0.5
+            handles = [c.push(dense={"dense": np.full(10, k + r, np.float32)})
+                       for r, c in enumerate(clients)]
+            return handles
+        for h in round_of(1):
+            h.wait(10)
+        servers[0]._snapshot()
+        for h in round_of(2):
+            h.wait(10)
+        servers[0].stop()
+        time.sleep(0.3)
+        pending = round_of(3)
+        assert not any(h.done() for h in pending)
+        restarted(tmp_path, cfg, ports, servers, SGD)
+        for h in pending:
+            h.wait(15)
+        dense = clients[1].pull(dense=["dense"]).wait(10).dense["dense"]
+        lo, hi = servers[0].shard.dense["dense"].start, servers[0].shard.dense["dense"].stop
+        np.testing.assert_allclose(dense[lo:hi], start[lo:hi] - 1.5 - 3.5, rtol=1e-6)
+        np.testing.assert_allclose(dense[hi:], start[hi:] - 1.5 - 2.5 - 3.5, rtol=1e-6)
+        for h in round_of(4):  # the rounds go on
+            h.wait(10)
+    finally:
+        stop_all(servers, clients)
+
+
+def test_a_geo_server_restarts_and_every_worker_gets_back_all_its_rows(tmp_path):
+    """GEO: the restarted server holds the snapshot's rows; each worker's next exchange
+    brings back every row of that server (not only rows changed since its last exchange),
+    so no worker keeps values the server lost."""
+    cfg, ports, servers, clients = two_workers(tmp_path, "geo", SGD)
+    try:
+        ids = np.arange(30, dtype=np.int64)
+        mine = server_of(ids, cfg.num_servers, cfg.shard_num) == 0
+        assert mine.any() and not mine.all()
+
+        def exchange(c, k=None):  # k None: a worker that changed no row asks what changed
+            sparse = {} if k is None else {"emb": (ids, np.full((30, 2), k, np.float32))}
+            return c.push(sparse, delta=True, geo_pull=["emb"]).wait(10)[1]["emb"]
+        exchange(clients[0], 1.0)
+        exchange(clients[1])
+        assert len(exchange(clients[1])[0]) == 0  # worker 1 is up to date
+        servers[0]._snapshot()
+        at_snapshot = servers[0].shard.sparse["emb"].pull(ids[mine], create=False).copy()
+        exchange(clients[0], 2.0)  # lost on server 0 with it
+        restarted(tmp_path, cfg, ports, servers, SGD)
+        got_ids, rows = exchange(clients[1])
+        back = np.isin(ids, got_ids)
+        assert back[mine].all()  # every row of the restarted server, changed or not
+        order = np.argsort(got_ids)
+        served = dict(zip(got_ids[order].tolist(), rows[order]))
+        np.testing.assert_array_equal(np.stack([served[i] for i in ids[mine]]), at_snapshot)
+        assert len(exchange(clients[1])[0]) == 0  # then only changed rows again
+    finally:
+        stop_all(servers, clients)
 
 
 def test_the_variables_fleetrun_writes_turn_failover_on():
