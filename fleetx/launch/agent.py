@@ -32,17 +32,24 @@ def restart_message(failures: dict, restart: int, max_restarts: int,
     """The line announcing a restart after ``failures`` ({global rank: ProcessFailure}).
 
     Example:
-        restart 1 of 2: rank 1 (local rank 1, pid 4242) exited with code 3 (log: log/workerlog.1);
-        restarting the worker group
+        restart 1 of 2: rank 1 (local rank 1, pid 4242) exited with code 3 (log: log/workerlog.1):
+        RuntimeError: Connection closed by peer [10.0.0.2]:41231; restarting the worker group
     """
     # Ranks that died of the SIGTERM the agent sent to stop the group are not the cause.
     stopped = {r for r, f in failures.items() if f.exitcode == -signal.SIGTERM}
     failed = sorted(set(failures) - stopped) or sorted(failures)
     causes = "; ".join(f"rank {rank} (local rank {failures[rank].local_rank}, pid "
                        f"{failures[rank].pid}) {logs.describe_exit(failures[rank].exitcode)} "
-                       f"(log: {log_of(rank)})" for rank in failed)
+                       f"(log: {log_of(rank)})" + _said(log_of(rank)) for rank in failed)
     return (f"restart {restart} of {max_restarts}: {causes or 'the worker group is unhealthy'}; "
             f"restarting the worker group")
+
+
+def _said(path: str) -> str:
+    """``: <the error its log ends with>`` (a rank that failed because a peer vanished names
+    the peer there), or nothing."""
+    line = logs.error_line(path)
+    return f": {line}" if line else ""
 
 
 class _InheritedStreams(LogsSpecs):

@@ -128,6 +128,16 @@ def last_lines(path: str, count: int = 20) -> list[str]:
         return []
 
 
+_ERROR_LINE = re.compile(r"^(fleetx: |[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b)")
+
+
+def error_line(path: str, limit: int = 300) -> str:
+    """The last line of a log that states an error (the last line of a traceback, or a
+    ``fleetx:`` note naming a peer), cut to ``limit`` characters; "" when there is none."""
+    line = next((l.strip() for l in reversed(last_lines(path, 60)) if _ERROR_LINE.match(l)), "")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def shown_above(header: str, path: str) -> list[str]:
     """The failure report of a log that was shown live: where it is and its last line only (a
     traceback already on the screen is not printed twice)."""

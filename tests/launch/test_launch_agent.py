@@ -26,6 +26,23 @@ def test_a_restart_names_the_failed_rank_not_the_ones_the_agent_stopped():
                     "(log: log/workerlog.1); restarting the worker group")
 
 
+def test_a_restart_quotes_the_error_the_failed_ranks_log_ends_with(tmp_path):
+    """A rank that failed because a peer vanished says so in its log: the announcement quotes
+    it (the survivor's exit alone would blame the survivor)."""
+    log = tmp_path / "workerlog.0"
+    log.write_text("step 12\nTraceback (most recent call last):\n  File \"train.py\"\n"
+                   "RuntimeError: [gloo] Connection closed by peer [10.0.0.2]:41231\n"
+                   "[W1128] ProcessGroupGloo destroyed\n")
+    line = restart_message({0: failure(0, 9, 1)}, 1, 1, lambda rank: str(log))
+    assert line == (f"restart 1 of 1: rank 0 (local rank 0, pid 9) exited with code 1 (log: "
+                    f"{log}): RuntimeError: [gloo] Connection closed by peer [10.0.0.2]:41231; "
+                    "restarting the worker group")
+    log.write_text("fleetx: rank 1 did not arrive at all_reduce #12 on group 0\n")
+    assert restart_message({0: failure(0, 9, 1)}, 1, 1, lambda rank: str(log)).endswith(
+        "): fleetx: rank 1 did not arrive at all_reduce #12 on group 0; restarting the worker "
+        "group")
+
+
 def test_a_restart_after_only_sigterms_names_them():
     line = restart_message({2: failure(0, 5, -signal.SIGTERM)}, 2, 2, str)
     assert line.startswith("restart 2 of 2: rank 2 (local rank 0, pid 5) was killed by signal "
