@@ -54,8 +54,8 @@ from fleetx.ps.chain import FORMAT, Save, bad_file as _bad, open_chain, read_met
 from fleetx.ps.partition import server_of
 from fleetx.ps.table import DenseTable, SparseTable
 
-__all__ = ["FORMAT", "Chain", "Loaded", "save_server", "load_server", "save_dense", "load_dense",
-           "server_folder", "confine"]
+__all__ = ["FORMAT", "Chain", "Loaded", "save_server", "load_server", "load_server_folder",
+           "save_dense", "load_dense", "server_folder", "confine"]
 
 
 class Chain(NamedTuple):
@@ -387,22 +387,26 @@ def _selected(tables, sparse, dense, base: Save) -> set:
     return set(tables)
 
 
+def _dense_part(ckpt: Checkpoint, folder: str, meta: dict, name: str) -> tuple[dict, np.ndarray]:
+    """``(info, row)`` of one saved slice of a dense table, checked: its ``meta.json`` entry,
+    the row's type and length, finite values."""
+    info = _table_info(ckpt, folder, name, meta["tables"][name],
+                       ("start", "stop", "blocks", "scalars"))
+    rel = f"{folder}/dense-{name}.npy"
+    row = ckpt.read_array(rel)
+    need = info["blocks"] * (info["stop"] - info["start"]) + info["scalars"]
+    if row.dtype != np.float32 or row.shape != (need,):
+        raise _bad(ckpt, rel, f"expected float32 ({need},) for [{info['start']}, "
+                   f"{info['stop']}), got {row.dtype} {row.shape}")
+    if not np.isfinite(row).all():
+        raise _bad(ckpt, rel, f"{int((~np.isfinite(row)).sum())} values are NaN or inf")
+    return info, row
+
+
 def _dense_parts(ckpt: Checkpoint, name: str, parts: list) -> list:
     """``(info, row)`` of every saved slice of a dense table, sorted, checked to tile it."""
-    out, stop = [], 0
-    for folder, meta in parts:
-        info = _table_info(ckpt, folder, name, meta["tables"][name],
-                           ("start", "stop", "blocks", "scalars"))
-        rel = f"{folder}/dense-{name}.npy"
-        row = ckpt.read_array(rel)
-        need = info["blocks"] * (info["stop"] - info["start"]) + info["scalars"]
-        if row.dtype != np.float32 or row.shape != (need,):
-            raise _bad(ckpt, rel, f"expected float32 ({need},) for [{info['start']}, "
-                       f"{info['stop']}), got {row.dtype} {row.shape}")
-        if not np.isfinite(row).all():
-            raise _bad(ckpt, rel, f"{int((~np.isfinite(row)).sum())} values are NaN or inf")
-        out.append((info, row))
-    out.sort(key=lambda x: x[0]["start"])
+    out, stop = sorted((_dense_part(ckpt, folder, meta, name) for folder, meta in parts),
+                       key=lambda x: x[0]["start"]), 0
     for info, _ in out:
         if info["start"] != stop or info["stop"] < info["start"]:
             raise CheckpointError(f"{ckpt.folder}: the slices of dense table {name!r} do not "
@@ -429,6 +433,74 @@ def _load_dense_slice(ckpt: Checkpoint, name: str, t: DenseTable, parts: list) -
     same_rule = parts[0][0]["rule"] == t.rule.name
     state = np.concatenate([mine[1:].reshape(-1), tail]) if same_rule else None
     t.assign(mine[0], state)
+
+
+def load_server_folder(ckpt: Checkpoint, index: int, num_servers: int, shard_num: int,
+                       sparse: Mapping[str, SparseTable], dense: Mapping[str, DenseTable]
+                       ) -> Loaded:
+    """Fill this server's tables from its own folder of an opened save, the only folder that
+    save needs to hold (a server's failover snapshot, :mod:`fleetx.ps.snapshots`): the sparse
+    rows this server owns, and the dense slice it owns, which must be the slice saved there.
+    Every file is checked as :func:`load_server` checks it. Tables absent from the folder are
+    left as they are.
+
+    Args:
+        ckpt: the save, opened (its manifest read once by the caller).
+        index, num_servers, shard_num: this server; the folder must have been written by the
+            same server of the same cluster.
+
+    Raises:
+        CheckpointError: the folder's metadata or any file does not match, the folder holds a
+            delta or an export (neither loads alone), a dense slice other than this server's
+            (the file is named).
+        PSConfigError: a table's shape changed.
+
+    Example:
+        >>> loaded = load_server_folder(Checkpoint(d), 0, 2, 2, sparse, dense)  # doctest: +SKIP
+        >>> sorted(loaded.rows)
+        ['dense', 'emb']
+    """
+    folder = server_folder(index, num_servers)
+    meta = _read_meta(ckpt, f"{folder}/meta.json")
+    _check_own(ckpt, folder, meta, (index, num_servers, shard_num))
+    save = Save(ckpt, [(folder, meta)], meta.get("mode", 0), None, None)
+
+    def mine(keys):
+        return server_of(keys, num_servers, shard_num) == index
+
+    loaded: dict = {}
+    for name in sorted(set(sparse) & set(meta["tables"])):
+        _load_sparse(save, name, sparse[name], mine)
+        loaded[name] = len(sparse[name])
+    for name in sorted(set(dense) & set(meta["tables"])):
+        _load_own_slice(ckpt, folder, meta, name, dense[name])
+        loaded[name] = dense[name].numel
+    return Loaded(loaded, Chain(ckpt.save_id, ckpt.save_id, save.mode == 0))
+
+
+def _check_own(ckpt: Checkpoint, folder: str, meta: dict, server: tuple) -> None:
+    """``meta`` was written by ``server`` (index, num_servers, shard_num), in a save that loads
+    alone (mode 0 or 1)."""
+    rel = f"{folder}/meta.json"
+    saved = tuple(meta.get(k) for k in ("server", "num_servers", "shard_num"))
+    if not all(type(v) is int for v in saved) or saved != server:
+        raise _bad(ckpt, rel, f"written by server {saved[0]!r} of {saved[1]!r} (shard_num "
+                   f"{saved[2]!r}), this is server {server[0]} of {server[1]} (shard_num "
+                   f"{server[2]})")
+    if meta.get("mode", 0) not in (0, 1):
+        raise _bad(ckpt, rel, f"save mode {meta.get('mode')!r} does not load alone: expected "
+                   "a full save (mode 0 or 1)")
+
+
+def _load_own_slice(ckpt: Checkpoint, folder: str, meta: dict, name: str,
+                    t: DenseTable) -> None:
+    info, row = _dense_part(ckpt, folder, meta, name)
+    if (info["start"], info["stop"]) != (t.start, t.stop):
+        raise _bad(ckpt, f"{folder}/dense-{name}.npy", f"holds [{info['start']}, "
+                   f"{info['stop']}) of dense table {name!r}, this server owns [{t.start}, "
+                   f"{t.stop})")
+    n = t.numel  # the row: blocks runs of n values (weights first), then scalars
+    t.assign(row[:n], row[n:] if info.get("rule") == t.rule.name else None)
 
 
 def load_dense(dirnames: Union[str, Sequence[str]]) -> dict[str, np.ndarray]:

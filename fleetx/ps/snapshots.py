@@ -24,15 +24,11 @@ import os
 import time
 from typing import Mapping, NamedTuple, Optional
 
-import numpy as np
-
 from fleetx import env
-from fleetx.checkpoint import Checkpoint, CheckpointError, SaveWriter
+from fleetx.checkpoint import Checkpoint, SaveWriter
 from fleetx.checkpoint.manifest import has_checkpoint
 from fleetx.ps.api import PSConfig
-from fleetx.ps.chain import Save, read_meta
-from fleetx.ps.checkpoint import _load_sparse, save_server, server_folder
-from fleetx.ps.partition import server_of
+from fleetx.ps.checkpoint import load_server_folder, save_server, server_folder
 
 __all__ = ["Snapshots", "Restored", "failover_from_env"]
 
@@ -79,21 +75,31 @@ class Snapshots:
         self.folder = server_folder(index, config.num_servers)
         self.dirname = os.path.join(os.path.abspath(config.snapshot_dir), self.folder)
         self.last = time.monotonic()  # the interval counts from the start
-        self.taken = 0
 
     def due(self, now: float) -> bool:
         return now - self.last >= self.config.snapshot_interval
 
     def available(self) -> bool:
-        """A snapshot of this job is committed here (it may still prove damaged on load)."""
+        """A snapshot of this job is committed here (its files may still prove damaged on
+        load).
+
+        Raises:
+            CheckpointError: the snapshot's manifest is damaged (named): the workers will not
+                send their initial values again, so starting afresh would lose the job.
+        """
+        return self._open() is not None
+
+    def _open(self) -> Optional[Checkpoint]:
+        """The committed snapshot of this job, its manifest read; None when there is no
+        snapshot or it is of another job."""
         if not has_checkpoint(self.dirname):
-            return False
-        try:
-            return Checkpoint(self.dirname).manifest.info.get("snapshot_job") == \
-                self.config.snapshot_job
-        except CheckpointError as e:
-            log.error("server %d: snapshot in %s unreadable: %s", self.index, self.dirname, e)
-            return False
+            return None
+        ckpt = Checkpoint(self.dirname)
+        if ckpt.manifest.info.get("snapshot_job") != self.config.snapshot_job:
+            log.info("server %d: the snapshot in %s is of another job (%r); not loading it",
+                     self.index, self.dirname, ckpt.manifest.info.get("snapshot_job"))
+            return None
+        return ckpt
 
     def take(self, shard, pushes: dict) -> str:
         """Write and commit a snapshot of ``shard``; returns its save id.
@@ -109,7 +115,7 @@ class Snapshots:
         writer.commit({"mode": 0, "snapshot_job": self.config.snapshot_job,
                        "pushes": {str(r): int(n) for r, n in pushes.items()},
                        "initialized": sorted(shard.initialized)})
-        self.last, self.taken = time.monotonic(), self.taken + 1
+        self.last = time.monotonic()
         log.info("server %d: snapshot %s written to %s (%s rows, %.2f s)", self.index,
                  writer.save_id, self.dirname, sum(rows.values()), self.last - began)
         return writer.save_id
@@ -119,39 +125,15 @@ class Snapshots:
         them); None when there is none (the shard is left as it is).
 
         Raises:
-            CheckpointError: the snapshot is damaged (a file does not match its manifest).
+            CheckpointError: the snapshot is damaged (a file does not match its manifest, or
+                the manifest itself; named).
         """
-        if not self.available():
+        ckpt = self._open()
+        if ckpt is None:
             return None
-        ckpt = Checkpoint(self.dirname)
+        loaded = load_server_folder(ckpt, self.index, self.config.num_servers,
+                                    self.config.shard_num, shard.sparse, shard.dense)
         info = ckpt.manifest.info
-        meta = read_meta(ckpt, f"{self.folder}/meta.json")
-        save = Save(ckpt, [(self.folder, meta)], 0, None, None)
-
-        def mine(keys):
-            return server_of(keys, self.config.num_servers, self.config.shard_num) == self.index
-
-        for name, t in shard.sparse.items():
-            if name in meta["tables"]:
-                _load_sparse(save, name, t, mine)
-        for name, t in shard.dense.items():
-            if name in meta["tables"]:
-                _load_dense(ckpt, self.folder, meta["tables"][name], name, t)
-        shard.initialized |= set(info.get("initialized", ())) & set(meta["tables"])
+        shard.initialized |= set(info.get("initialized", ())) & set(loaded.rows)
         pushes = {int(r): int(n) for r, n in dict(info.get("pushes", {})).items()}
         return Restored(ckpt.save_id, ckpt.manifest.created, pushes)
-
-
-def _load_dense(ckpt: Checkpoint, folder: str, info: dict, name: str, t) -> None:
-    """This server's own slice of dense table ``name``, with its optimizer state."""
-    rel = f"{folder}/dense-{name}.npy"
-    if (info.get("start"), info.get("stop")) != (t.start, t.stop):
-        raise CheckpointError(f"{ckpt.folder}: {rel} holds [{info.get('start')}, "
-                              f"{info.get('stop')}), this server owns [{t.start}, {t.stop})",
-                              ckpt.path(rel))
-    row = ckpt.read_array(rel)
-    if row.dtype != np.float32 or row.shape != (t.slab.shape[1],) or \
-            not np.isfinite(row).all():
-        raise CheckpointError(f"{ckpt.path(rel)}: expected {t.slab.shape[1]} finite float32 "
-                              f"values, got {row.dtype} {row.shape}", ckpt.path(rel))
-    t.assign(row[:t.numel], row[t.numel:])

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fleetx.checkpoint import CheckpointError
 from fleetx.launch.api import ConfigError
 from fleetx.launch.config import LaunchConfig
 from fleetx.launch.ps import plan
@@ -209,7 +210,7 @@ def test_a_damaged_snapshot_is_an_error_naming_the_file(tmp_path, job):
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(Exception, match="dense-dense.npy"):
+    with pytest.raises(CheckpointError, match=r"checksum mismatch: .*dense-dense\.npy"):
         PSServer(config(tmp_path, restart=1), 0, TABLES)
 
 
