@@ -5,7 +5,8 @@ batch's rows). Allocating a fresh array of that size for every message and dropp
 costs more than the copy into it: the allocator hands the pages back to the operating system
 and takes them again, one page fault per 4 KiB. A :class:`BufferPool` keeps a few large arrays
 per size class and hands one out again only when its reference count shows that the pool alone
-holds it: a message, a view of it, a tensor made from it (``torch.from_numpy``) or a table that
+holds it (that count, which depends on the interpreter, is measured once at import on a fresh
+block): a message, a view of it, a tensor made from it (``torch.from_numpy``) or a table that
 kept its ids all hold a reference, so a buffer still in use is never written into. Arrays below
 ``min_bytes`` are allocated as usual.
 
@@ -30,9 +31,33 @@ import numpy as np
 __all__ = ["BufferPool"]
 
 _ALIGN = 64
-#: references to a pooled array that only the pool holds, as counted inside ``_free``: the
-#: size class's list, the loop variable and ``sys.getrefcount``'s own argument
-_ONLY_POOL = 3
+
+
+def _refs(held: list, i: int) -> int:
+    """The reference count of ``held[i]``, counted always here, the same way: what the count
+    of a block only the pool holds is depends on the interpreter (its version counts the
+    argument and temporaries differently), so it is measured, not assumed."""
+    return sys.getrefcount(held[i])
+
+
+def _measure_baseline():
+    """The count :func:`_refs` gives a pooled block nothing else holds, measured on a fresh
+    one; None when the counts cannot tell a held block from a free one (then nothing is
+    handed out again)."""
+    held = [np.empty(_ALIGN, np.uint8)]
+    alone = _refs(held, 0)
+    other = held[0]
+    seen = _refs(held, 0)
+    view = other[1:]
+    del other
+    seen_view = _refs(held, 0)
+    del view
+    tells = seen > alone and seen_view > alone and _refs(held, 0) == alone
+    return alone if tells else None
+
+
+#: the count of a pooled block that only the pool holds (measured once, at import)
+_ONLY_POOL = _measure_baseline()
 
 
 class BufferPool:
@@ -70,7 +95,9 @@ class BufferPool:
 
     @staticmethod
     def _free(held: list):
-        for block in held:
-            if sys.getrefcount(block) <= _ONLY_POOL:
-                return block
+        if _ONLY_POOL is None:
+            return None
+        for i in range(len(held)):
+            if _refs(held, i) <= _ONLY_POOL:
+                return held[i]
         return None

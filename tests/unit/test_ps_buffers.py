@@ -4,6 +4,7 @@ import threading
 import numpy as np
 import pytest
 
+from fleetx.ps import buffers
 from fleetx.ps.buffers import BufferPool
 
 F32 = np.dtype(np.float32)
@@ -59,3 +60,29 @@ def test_threads_never_get_the_same_buffer():
     for t in threads:
         t.join()
     assert len({a.ctypes.data for a in got}) == len(got)
+
+
+def test_the_baseline_is_measured_and_tells_a_held_block_from_a_free_one():
+    """The count of a block only the pool holds is measured at import (it depends on the
+    interpreter); a block held elsewhere, whole or through a view, counts above it."""
+    assert buffers._ONLY_POOL is not None
+    held = [np.empty(64, np.uint8)]
+    assert buffers._refs(held, 0) == buffers._ONLY_POOL
+    other = held[0]
+    assert buffers._refs(held, 0) > buffers._ONLY_POOL
+    view = other[8:]
+    del other
+    assert buffers._refs(held, 0) > buffers._ONLY_POOL
+    assert BufferPool._free(held) is None  # held through the view: not handed out
+    del view
+    assert BufferPool._free(held) is held[0]
+
+
+def test_without_a_usable_baseline_nothing_is_handed_out_again(monkeypatch):
+    monkeypatch.setattr(buffers, "_ONLY_POOL", None)
+    pool = BufferPool(min_bytes=1024)
+    a = pool.take(F32, 4000)
+    where = a.ctypes.data
+    del a
+    b = pool.take(F32, 4000)
+    assert b.ctypes.data != where and not np.shares_memory(b, pool._classes[4096][0])
