@@ -20,11 +20,10 @@ import sys
 from typing import NoReturn
 
 from fleetx import env
-from fleetx.launch import bootstrap, logs, script
+from fleetx.launch import bootstrap, hosts, logs, script
 from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError, LaunchError
 # The decisions live in collective_plan.py; plan and CollectivePlan are re-exported from here.
-from fleetx.launch.collective_plan import (DEFAULT_MASTER_PORT, IFNAME_VARS as _IFNAME_VARS,
-                                           CollectivePlan, plan)
+from fleetx.launch.collective_plan import DEFAULT_MASTER_PORT, CollectivePlan, plan
 from fleetx.launch.config import LaunchConfig
 
 __all__ = ["CollectivePlan", "plan", "run", "launch", "DEFAULT_MASTER_PORT"]
@@ -176,7 +175,7 @@ def _plan_here(config: LaunchConfig, **probes) -> CollectivePlan:
         raise ConfigError("training_script", problem)
     visible = env.get_list("CUDA_VISIBLE_DEVICES") if env.is_set("CUDA_VISIBLE_DEVICES") else None
     return plan(config, visible=visible, user_omp=env.get("OMP_NUM_THREADS"),
-                user_ifnames=[name for name in _IFNAME_VARS if env.is_set(name)],
+                user_ifnames=[name for name in hosts.SOCKET_IFNAME_VARS if env.is_set(name)],
                 timeout=_timeout(), **probes)
 
 

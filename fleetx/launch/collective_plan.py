@@ -29,10 +29,9 @@ from fleetx.launch import hosts
 from fleetx.launch.api import ConfigError, NodeSetup
 from fleetx.launch.config import LaunchConfig
 
-__all__ = ["CollectivePlan", "plan", "DEFAULT_MASTER_PORT", "IFNAME_VARS"]
+__all__ = ["CollectivePlan", "plan", "DEFAULT_MASTER_PORT"]
 
 DEFAULT_MASTER_PORT = 6070
-IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 @dataclass(frozen=True)
@@ -163,15 +162,11 @@ def _socket_ifnames(own_addr: str, user_set: Collection[str],
                     ) -> tuple[Optional[str], Optional[str], list[str]]:
     """(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME, notes) for the processes of a multi-node job:
     the interface that holds this node's address, for each variable the user did not set."""
-    wanted = [name for name in IFNAME_VARS if name not in user_set]
-    ifname = interface_of(own_addr) if wanted else None
-    if not ifname:
-        return None, None, []
-    note = (f"setting {' and '.join(f'{name}={ifname}' for name in wanted)} for each process "
-            f"(the interface of {own_addr}, this node's address); set "
-            f"{'it' if len(wanted) == 1 else 'them'} yourself to change it")
-    gloo, nccl = (ifname if name in wanted else None for name in IFNAME_VARS)
-    return gloo, nccl, [note]
+    found, notes = hosts.socket_ifnames([own_addr], user_set, interface_of,
+                                        where="(the interface of {address}, this node's address)")
+    ifnames = found.get(own_addr, {})
+    gloo, nccl = (ifnames.get(name) for name in hosts.SOCKET_IFNAME_VARS)
+    return gloo, nccl, notes
 
 
 def plan(config: LaunchConfig, *, cuda_count: Optional[int] = None,

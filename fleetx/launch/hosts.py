@@ -182,7 +182,8 @@ def interface_of(address: str) -> Optional[str]:
 
 
 def socket_ifnames(addresses: Sequence[str], user_set: Collection[str] = (),
-                   interface_of: Callable[[str], Optional[str]] = interface_of
+                   interface_of: Callable[[str], Optional[str]] = interface_of,
+                   where: str = "of {address} (the interface of that address)"
                    ) -> tuple[dict[str, dict[str, str]], list[str]]:
     """The socket interface variables for processes bound to ``addresses`` (this node's), and
     one note per address for the user.
@@ -191,6 +192,10 @@ def socket_ifnames(addresses: Sequence[str], user_set: Collection[str] = (),
     ``user_set``) naming the interface that holds it: gloo and NCCL otherwise bind to the
     address the host name resolves to, often a loopback one (Debian's 127.0.1.1). An address
     whose interface is unknown gets nothing.
+
+    Args:
+        where: which processes a note speaks of, after "for each process" (``{address}``
+            is replaced by the address).
 
     Example:
         >>> socket_ifnames(["127.0.0.1"], interface_of=lambda a: "lo")[0]
@@ -205,6 +210,6 @@ def socket_ifnames(addresses: Sequence[str], user_set: Collection[str] = (),
             continue
         found[address] = {name: ifname for name in wanted}
         notes.append(f"setting {' and '.join(f'{name}={ifname}' for name in wanted)} for each "
-                     f"process of {address} (the interface of that address); set "
+                     f"process {where.format(address=address)}; set "
                      f"{'it' if len(wanted) == 1 else 'them'} yourself to change it")
     return found, notes
