@@ -44,7 +44,7 @@ starts fresh.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -68,16 +68,28 @@ class Chain(NamedTuple):
     state: bool
     skipped: tuple = ()
 
-    def delta_refusal(self) -> Optional[str]:
-        """Why a delta cannot continue this chain (None: it can). A table of the chain that
-        was not loaded holds other rows than the chain says: a delta (changed rows only) would
-        claim the chain's rows for it, so only a full save can start a chain again."""
-        if not self.skipped:
-            return None
-        return (f"a delta (mode 2) cannot continue the chain of base save {self.base}: its "
-                f"table(s) {', '.join(map(repr, self.skipped))} were not loaded (init_server "
-                "with var_names), so their rows here are not the chain's; make a full save "
-                "(mode 0 or 1) first")
+    def check_delta(self, error: Callable[[str], Exception], what: str) -> None:
+        """Refuse a delta that cannot continue this chain: a table of the chain that was not
+        loaded holds other rows than the chain says, so a delta (changed rows only) would claim
+        the chain's rows for it; only a full save can start a chain again.
+
+        Args:
+            error: the exception to raise, built from its message.
+            what: what was asked, leading the message.
+
+        Raises:
+            ``error``: ``"<what>: a delta (mode 2) cannot continue ..."``, naming the tables.
+
+        Example:
+            >>> Chain("a", "a", True, ("emb",)).check_delta(ValueError, "SAVE")
+            Traceback (most recent call last):
+            ValueError: SAVE: a delta (mode 2) cannot continue the chain of base save a: ...
+        """
+        if self.skipped:
+            raise error(f"{what}: a delta (mode 2) cannot continue the chain of base save "
+                        f"{self.base}: its table(s) {', '.join(map(repr, self.skipped))} were "
+                        "not loaded (init_server with var_names), so their rows here are not "
+                        "the chain's; make a full save (mode 0 or 1) first")
 
 
 class Loaded(NamedTuple):

@@ -211,8 +211,8 @@ class Shard:
         if mode == 2 and self.chain is None:
             raise RequestError("SAVE: a delta (mode 2) needs a base: make a full save (mode 0 "
                                "or 1) first, or start the servers from one (init_server)")
-        if mode == 2 and self.chain.delta_refusal():
-            raise RequestError(f"SAVE: {self.chain.delta_refusal()}")
+        if mode == 2:
+            self.chain.check_delta(RequestError, "SAVE")
         chain = self.chain
         rows = save_server(writer, self.index, self.config.num_servers, self.config.shard_num,
                            self.sparse, self.dense, mode, chain)

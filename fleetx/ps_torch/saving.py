@@ -101,8 +101,8 @@ class LocalChain:
         if mode == 2 and self.chain is None:
             raise StateError("save_persistables(mode=2): a delta needs a base: make a full save "
                              "(mode 0 or 1) first, or load one (init_server)")
-        if mode == 2 and self.chain.delta_refusal():
-            raise StateError(f"save_persistables(mode=2): {self.chain.delta_refusal()}")
+        if mode == 2:
+            self.chain.check_delta(StateError, "save_persistables(mode=2)")
         tables = {}
         for spec in specs:
             t = DenseTable(spec, make_rule(spec.rule), 0, spec.numel)
