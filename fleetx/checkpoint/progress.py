@@ -49,12 +49,11 @@ class ProgressRecord:
             self._map = mmap.mmap(fd, _LAYOUT.size)
         finally:
             os.close(fd)
-        self.steps, self.saved_at = 0, NO_CHECKPOINT
         self.update(0, NO_CHECKPOINT)
 
     def update(self, steps: int, saved_at: int) -> None:
-        """Record ``steps`` taken, the last checkpoint at ``saved_at`` (-1: none)."""
-        self.steps, self.saved_at = steps, saved_at
+        """Record ``steps`` taken, the last checkpoint at ``saved_at`` (-1: none): the two
+        little-endian int64 of the file, in this order (what :func:`read_progress` reads)."""
         _LAYOUT.pack_into(self._map, 0, steps, saved_at)
 
 
