@@ -10,6 +10,7 @@ in step.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping, Optional
@@ -249,6 +250,25 @@ def get_float(name: str, default: Optional[float] = None,
         return float(raw)
     except ValueError:
         raise EnvError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+def get_limit(name: str, default: float,
+              env: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """The value of ``name`` as a time limit: seconds (> 0), or None for 0 (no limit).
+
+    Raises:
+        EnvError: not a number, negative, or not finite (the message names the variable and
+            the valid values).
+
+    Example:
+        >>> get_limit("FLEETX_TIMEOUT", 300.0, {"FLEETX_TIMEOUT": "0"}) is None
+        True
+    """
+    value = get_float(name, default, env)
+    if not 0 <= value < math.inf:
+        raise EnvError(f"environment variable {name}={get(name, str(default), env)!r}: "
+                       "expected 0 (no limit) or a number of seconds > 0")
+    return value if value > 0 else None
 
 
 def get_list(name: str, env: Optional[Mapping[str, str]] = None) -> list[str]:

@@ -63,19 +63,26 @@ class PipeCommandError(DataError):
 
 
 class PipeTimeoutError(DataError):
-    """A file's commands wrote nothing for ``timeout`` seconds (``FLEETX_TIMEOUT``): a hung
-    download or generator; both commands are killed.
+    """A file's commands wrote nothing for ``timeout`` seconds (``FLEETX_TIMEOUT``), or one
+    of them ended its output but did not exit within that time: a hung download or generator;
+    both commands are killed.
 
     Attributes:
         file: the file being read.
-        command: the pipeline (``<download_cmd> <file> | <pipe_command>``).
+        command: the pipeline (``<download_cmd> <file> | <pipe_command>``), or the command
+            that did not exit.
         timeout: the seconds waited.
+        after_output: the output had ended (the command hung on its way out).
     """
 
-    def __init__(self, file: str, command: str, timeout: float) -> None:
-        super().__init__(f"reading {file}: {command!r} wrote nothing for {timeout:g} s "
+    def __init__(self, file: str, command: str, timeout: float,
+                 after_output: bool = False) -> None:
+        what = "ended its output but did not exit within" if after_output else \
+            "wrote nothing for"
+        super().__init__(f"reading {file}: {command!r} {what} {timeout:g} s "
                          f"(FLEETX_TIMEOUT); the commands were killed")
         self.file, self.command, self.timeout = file, command, timeout
+        self.after_output = after_output
 
 
 class ShuffleError(DataError):

@@ -141,9 +141,9 @@ class DatasetBase:
         if not self.slots:
             raise DataError(f"{type(self).__name__}: no slots declared; call init(use_var=[...])"
                             f" or init(slots=[...]) first")
-        silent = env.get_float("FLEETX_TIMEOUT", 300.0)  # a hung command is an error
+        silent = env.get_limit("FLEETX_TIMEOUT", 300.0)  # a hung command is an error
         options = ReadOptions(self.slots, self.download_cmd, self.pipe_command,
-                              self.skip_bad_lines, timeout=silent if silent > 0 else None)
+                              self.skip_bad_lines, timeout=silent)
         return ParallelReader(self.filelist, options, threads or self._readers(), self.reader,
                               bound)
 

@@ -14,12 +14,13 @@ import shlex
 import signal
 import subprocess
 import tempfile
+import time
 from typing import IO, Any, Callable, Iterator, Optional
 
 from fleetx.data import processes
 from fleetx.data.api import PipeCommandError, PipeTimeoutError
 
-__all__ = ["read_lines", "stop_group", "CHUNK_BYTES"]
+__all__ = ["read_lines", "CHUNK_BYTES"]
 
 CHUNK_BYTES = 4 << 20   # a chunk of output parsed at once: large enough to amortise each call
 _STDERR_TAIL = 2000     # bytes of a failed command's stderr kept in the error
@@ -38,7 +39,8 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
     the commands may stay silent (None: no limit).
 
     Raises:
-        PipeTimeoutError: nothing came for ``timeout`` seconds (both commands are killed).
+        PipeTimeoutError: nothing came for ``timeout`` seconds, or a command ended its output
+            but did not exit within ``timeout`` seconds (both commands are killed).
         PipeCommandError: a command exited non-zero (or could not be started); raised after the
             output was consumed, so the samples read before it are never taken for the whole.
     """
@@ -51,13 +53,13 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
             second = processes.start(pipe_command, shell=True, stdin=first.stdout,
                                      stdout=subprocess.PIPE, stderr=err_pipe)
         except BaseException:
-            stop_group(first)
+            processes.stop_tree(first)
             raise
         finally:
             first.stdout.close()  # the pipe command holds the read end now
         if tracker is not None:
-            tracker.add(first, stop_group)
-            tracker.add(second, stop_group)
+            tracker.add(first, processes.stop_tree)
+            tracker.add(second, processes.stop_tree)
         finished = False
         try:
             yield from _chunks(second.stdout, chunk_bytes, lambda: PipeTimeoutError(
@@ -65,13 +67,13 @@ def read_lines(path: str, download_cmd: str, pipe_command: str,
             finished = True
         finally:
             if not finished:
-                stop_group(second)
-                stop_group(first)
+                processes.stop_tree(second)
+                processes.stop_tree(first)
             second.stdout.close()
             if tracker is not None:
                 tracker.discard(first)
                 tracker.discard(second)
-        _check(path, [(download, first, err_dl), (pipe_command, second, err_pipe)])
+        _check(path, [(download, first, err_dl), (pipe_command, second, err_pipe)], timeout)
 
 
 def _chunks(out: IO[bytes], chunk_bytes: int, silent: Callable[[], Exception],
@@ -98,17 +100,24 @@ def _chunks(out: IO[bytes], chunk_bytes: int, silent: Callable[[], Exception],
         yield line, rest + b"\n"
 
 
-def stop_group(process: subprocess.Popen) -> None:
-    """Kill ``process`` and everything it started, then reap it."""
-    processes.stop_tree(process)
-
-
-def _check(path: str, commands: list) -> None:
+def _check(path: str, commands: list, timeout: Optional[float]) -> None:
     """Wait for both commands; raise for the download command if it failed (it comes first:
     a pipe command that saw no input often fails as a consequence), else for the pipe command.
-    A download stopped by SIGPIPE (the pipe command stopped reading) is no failure of its own."""
+    A download stopped by SIGPIPE (the pipe command stopped reading) is no failure of its own.
+    A command that ended its output but does not exit within ``timeout`` s (None: no limit)
+    hangs on its way out: both are killed, a :class:`PipeTimeoutError` names it."""
     (download, first, err_dl), (pipe_command, second, err_pipe) = commands
-    pipe_status, download_status = second.wait(), first.wait()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    statuses = []
+    for command, process in ((pipe_command, second), (download, first)):
+        try:
+            statuses.append(process.wait(None if deadline is None else
+                                         max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            processes.stop_tree(second)
+            processes.stop_tree(first)
+            raise PipeTimeoutError(path, command, timeout, after_output=True) from None
+    pipe_status, download_status = statuses
     if download_status != 0 and download_status not in _SIGPIPE:
         raise PipeCommandError(path, download, download_status, _tail(err_dl))
     if pipe_status != 0:

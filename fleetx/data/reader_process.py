@@ -30,7 +30,6 @@ from fleetx.data import processes
 from fleetx.data.api import (BadLineError, DataError, PipeCommandError, PipeTimeoutError,
                              Slot)
 from fleetx.data.block import SampleBlock
-from fleetx.data.pipe import stop_group
 
 __all__ = ["ProcessReader", "main"]
 
@@ -59,7 +58,8 @@ def _error_payload(exc: BaseException) -> bytes:
         fields = {"file": exc.file, "command": exc.command, "returncode": exc.returncode,
                   "stderr": exc.stderr}
     elif isinstance(exc, PipeTimeoutError):
-        fields = {"file": exc.file, "command": exc.command, "timeout": exc.timeout}
+        fields = {"file": exc.file, "command": exc.command, "timeout": exc.timeout,
+                  "after_output": exc.after_output}
     elif isinstance(exc, BadLineError):
         fields = {"file": exc.file, "line": exc.line, "reason": exc.reason}
     else:
@@ -123,7 +123,7 @@ def _stop(child: subprocess.Popen) -> None:
         try:
             child.wait(_STOP_S)
         except subprocess.TimeoutExpired:  # pragma: no cover - a process ignoring SIGTERM
-            stop_group(child)
+            processes.stop_tree(child)
     child.wait()
 
 

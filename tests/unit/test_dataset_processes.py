@@ -124,6 +124,48 @@ def test_a_hung_pipe_command_is_an_error_naming_the_file(tmp_path, kind, monkeyp
     assert wait_for(lambda: not matching(f"sleep {marker}"), 5)  # the commands were killed
 
 
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_command_that_ends_its_output_but_does_not_exit_is_an_error_naming_it(
+        tmp_path, kind, monkeypatch):
+    """The download command closes its output, so the pipe command ends, then hangs on its
+    way out: the wait for its exit is bounded by FLEETX_TIMEOUT as its silence is."""
+    from fleetx.data import PipeTimeoutError, QueueDataset
+    (tmp_path / "part-0").write_text("1 5\n")
+    monkeypatch.setenv("FLEETX_TIMEOUT", "1")
+    marker = f"61.{os.getpid()}4"
+    download = f"exec 1>&-; sleep {marker}; cat"
+    ds = QueueDataset()
+    ds.init(batch_size=1, use_var=["ids"], reader=kind, download_cmd=download)
+    ds.set_filelist([str(tmp_path / "part-0")])
+    start = time.monotonic()
+    try:
+        with pytest.raises(PipeTimeoutError, match=r"reading .*part-0: 'exec 1>&-; sleep "
+                                                   r"61\.\d+; cat .*part-0' ended its output "
+                                                   r"but did not exit within 1 s "
+                                                   r"\(FLEETX_TIMEOUT\); the commands were "
+                                                   r"killed") as caught:
+            list(ds)
+        assert caught.value.after_output
+        assert time.monotonic() - start < 15
+        assert wait_for(lambda: not matching(f"sleep {marker}"), 5)  # the commands were killed
+    finally:
+        for pid in matching(marker):  # only what this test started
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_negative_timeout_is_refused_naming_the_variable(tmp_path, monkeypatch):
+    from fleetx.data import QueueDataset
+    from fleetx.env import EnvError
+    (tmp_path / "part-0").write_text("1 5\n")
+    monkeypatch.setenv("FLEETX_TIMEOUT", "-5")
+    ds = QueueDataset()
+    ds.init(batch_size=1, use_var=["ids"], reader="thread")
+    ds.set_filelist([str(tmp_path / "part-0")])
+    with pytest.raises(EnvError, match=r"FLEETX_TIMEOUT='-5': expected 0 \(no limit\) or a "
+                                       r"number of seconds > 0"):
+        list(ds)
+
+
 def test_a_slow_but_talking_command_is_no_timeout(tmp_path, monkeypatch):
     from fleetx.data import QueueDataset
     (tmp_path / "part-0").write_text("")

@@ -31,6 +31,17 @@ def test_errors_name_the_variable():
         env.get("NOT_A_VAR")
 
 
+def test_a_time_limit_is_seconds_or_zero_for_none():
+    assert env.get_limit("FLEETX_TIMEOUT", 300.0, {}) == 300.0
+    assert env.get_limit("FLEETX_TIMEOUT", 300.0, {"FLEETX_TIMEOUT": "2.5"}) == 2.5
+    assert env.get_limit("FLEETX_TIMEOUT", 300.0, {"FLEETX_TIMEOUT": "0"}) is None
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(env.EnvError, match=rf"environment variable FLEETX_TIMEOUT='{bad}': "
+                                               r"expected 0 \(no limit\) or a number of "
+                                               r"seconds > 0"):
+            env.get_limit("FLEETX_TIMEOUT", 300.0, {"FLEETX_TIMEOUT": bad})
+
+
 def test_apply_writes_only_contract_variables():
     target = {}
     env.apply({"RANK": 1}, target)
