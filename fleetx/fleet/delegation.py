@@ -230,10 +230,7 @@ class RuntimeCalls:
         Example:
             >>> fleet.save_persistables(exe, "ckpt", None, 0)  # doctest: +SKIP
         """
-        args, kwargs, paddle_form = _without_executor(args, kwargs)
-        if paddle_form:
-            dirname, mode = _paddle_save_persistables(*args, **kwargs)
-            args, kwargs = (dirname,), {"mode": mode}
+        args, kwargs = _save_persistables_args(args, kwargs)
         runtime = self._runtime("save_persistables")
         if runtime is None:
             return self._collective_note("save_persistables")
@@ -244,7 +241,7 @@ class RuntimeCalls:
         ``state_dict`` and ``.npy`` tables, readable without fleetx; ``docs/ps_tables.md``).
         Paddle's leading ``executor`` is accepted and ignored (a first argument that is not a
         path)."""
-        args, kwargs, _ = _without_executor(args, kwargs)
+        args, kwargs, _ = _without_executor(args, kwargs, _EXPORT_FORMS)
         runtime = self._runtime("save_inference_model")
         if runtime is None:
             return self._collective_note("save_inference_model")
@@ -274,19 +271,40 @@ class RuntimeCalls:
         return runtime.print_table_stat()
 
 
-def _without_executor(args: tuple, kwargs: dict) -> tuple[tuple, dict, bool]:
+#: the two call forms of each method that accepts Paddle's executor, for the error messages
+_SAVE_FORMS = ("save_persistables(dirname, mode=0)",
+               "save_persistables(executor, dirname, main_program=None, mode=0)")
+_EXPORT_FORMS = ("save_inference_model(dirname, feeded_var_names=None, target_vars=None, ...)",
+                 "save_inference_model(executor, dirname, feeded_var_names, target_vars, ...)")
+
+
+def _without_executor(args: tuple, kwargs: dict, forms: tuple[str, str]
+                      ) -> tuple[tuple, dict, bool]:
     """Drop Paddle's leading ``executor`` (a first positional argument that is not a path, or
-    ``executor=``); the flag says whether the call was in Paddle's form."""
+    ``executor=``); the flag says whether the call was in Paddle's form.
+
+    Raises:
+        TypeError: a first argument that is not a path with no ``dirname`` after it (``None``
+            for a path, say): it names the argument's type and the two ``forms``.
+    """
     kwargs = dict(kwargs)
     paddle_form = "executor" in kwargs
     kwargs.pop("executor", None)
     if args and not isinstance(args[0], (str, os.PathLike)):
+        if len(args) == 1 and "dirname" not in kwargs:
+            raise TypeError(f"{forms[0].split('(')[0]}: the first argument, of type "
+                            f"{type(args[0]).__name__}, is not a path, and no dirname follows "
+                            f"it to take it for Paddle's executor; call {forms[0]} or "
+                            f"{forms[1]}")
         args, paddle_form = args[1:], True
     return args, kwargs, paddle_form
 
 
-def _paddle_save_persistables(dirname: Any, main_program: Any = None, mode: int = 0
-                              ) -> tuple[Any, int]:
-    """Paddle's ``save_persistables`` arguments after the executor (``main_program``: no
-    effect)."""
-    return dirname, mode
+def _save_persistables_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``save_persistables``'s arguments as ``(dirname, mode=0)``, from either form (Paddle's
+    ``main_program`` has no effect: a torch model has no program)."""
+    args, kwargs, paddle_form = _without_executor(args, kwargs, _SAVE_FORMS)
+    if paddle_form:
+        kwargs.pop("main_program", None)
+        args = args[:1] + args[2:]
+    return args, kwargs

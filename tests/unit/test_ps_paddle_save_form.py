@@ -9,7 +9,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from fleetx.fleet.delegation import _paddle_save_persistables, _without_executor
+import pytest
+
+from fleetx import fleet
+from fleetx.fleet import delegation
+from fleetx.fleet.delegation import _save_persistables_args, _without_executor
 
 SCRIPT = textwrap.dedent("""\
     import torch
@@ -48,14 +52,32 @@ SCRIPT = textwrap.dedent("""\
 
 
 def test_paddle_forms_are_mapped():
-    exe = object()
-    assert _without_executor((exe, "d", None, 1), {}) == (("d", None, 1), {}, True)
-    assert _without_executor((), {"executor": exe, "dirname": "d"}) == ((), {"dirname": "d"},
-                                                                         True)
-    assert _without_executor((Path("d"), 1), {}) == ((Path("d"), 1), {}, False)
-    assert _without_executor(("d",), {"mode": 2}) == (("d",), {"mode": 2}, False)
-    assert _paddle_save_persistables("d", None, 2) == ("d", 2)
-    assert _paddle_save_persistables(dirname="d", main_program=object()) == ("d", 0)
+    exe, forms = object(), delegation._SAVE_FORMS
+    assert _without_executor((exe, "d", None, 1), {}, forms) == (("d", None, 1), {}, True)
+    assert _without_executor((), {"executor": exe, "dirname": "d"}, forms) == (
+        (), {"dirname": "d"}, True)
+    assert _without_executor((Path("d"), 1), {}, forms) == ((Path("d"), 1), {}, False)
+    assert _without_executor(("d",), {"mode": 2}, forms) == (("d",), {"mode": 2}, False)
+    assert _save_persistables_args((exe, "d", None, 2), {}) == (("d", 2), {})
+    assert _save_persistables_args((exe, "d"), {"mode": 2}) == (("d",), {"mode": 2})
+    assert _save_persistables_args((), {"executor": exe, "dirname": "d",
+                                        "main_program": object()}) == ((), {"dirname": "d"})
+    assert _save_persistables_args(("d", 1), {}) == (("d", 1), {})
+
+
+def test_a_first_argument_that_is_no_path_and_no_executor_is_named():
+    """``save_persistables(None)`` once lost its argument as an executor and failed on a
+    missing dirname."""
+    with pytest.raises(TypeError, match=r"save_persistables: the first argument, of type "
+                                        r"NoneType, is not a path, and no dirname follows it "
+                                        r"to take it for Paddle's executor; call "
+                                        r"save_persistables\(dirname, mode=0\) or "
+                                        r"save_persistables\(executor, dirname, "
+                                        r"main_program=None, mode=0\)"):
+        fleet.save_persistables(None)
+    with pytest.raises(TypeError, match=r"save_inference_model: the first argument, of type "
+                                        r"int, .* call save_inference_model\(dirname, "):
+        fleet.save_inference_model(3)
 
 
 def test_a_script_in_paddles_form_saves_and_exports(tmp_path):
