@@ -606,9 +606,11 @@ class PSConfig:
         heter_workers: ``host:port`` of every heter worker (``docs/heter.md``). They connect
             to the servers as ranks ``num_workers, num_workers + 1, ...``: their pushes are
             applied on arrival in every mode and they take no part in sync rounds or barriers.
-        local_sockets: servers (and heter workers) also listen on a Unix-domain socket in a
-            folder only their user can enter, and peers on the same machine connect through it
-            (:mod:`fleetx.ps.local`); ``FLEETX_PS_LOCAL_SOCKETS`` (1 by default, 0: TCP only).
+        local_sockets: servers also listen on a Unix-domain socket in a folder only their
+            user can enter, and workers and heter workers on the same machine connect to them
+            through it (:mod:`fleetx.ps.local`); heter workers themselves listen on TCP only,
+            so trainers reach them over TCP. ``FLEETX_PS_LOCAL_SOCKETS`` (1 by default, 0: TCP
+            only).
         snapshot_dir: failover is on (``fleetrun --max_restarts``): each server snapshots its
             shard there every ``snapshot_interval`` seconds and a restarted one loads its latest
             (:mod:`fleetx.ps.snapshots`); workers reconnect to a server they lost and resend

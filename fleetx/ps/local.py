@@ -4,9 +4,9 @@ A worker whose server runs on the same machine (the server's endpoint is a loopb
 an address of one of this machine's interfaces) connects through a Unix-domain socket instead
 of TCP. The handshake, the frames and every limit are the same; what goes away is the TCP/IP
 processing of every segment on both sides (and the loopback interface's soft interrupts, which
-land on whichever thread happens to run): a megabyte costs about half the CPU it costs over
-loopback TCP (``benchmarks/ps_links.py``). Production jobs that put a server and its trainers on
-one node get the same saving for their local links.
+land on whichever thread happens to run), so a megabyte costs less CPU than over loopback TCP
+(no benchmark in ``benchmarks/`` measures by how much). Production jobs that put a server and
+its trainers on one node get the same saving for their local links.
 
 Where: ``<temp dir>/fleetx-ps-<uid>/<host>-<port>.sock``, named after the address the server
 listens on as well as its port: two servers of one machine may listen on the same port at two
@@ -15,9 +15,11 @@ its own socket. The directory must be a real directory (not a link) owned by thi
 closed to everyone else (mode 0700; it is created so): other users cannot connect at all (TCP
 loopback is open to every local user) and nobody else can put a socket there. A server binds
 its TCP address and port first, which no other process can hold at the same time, so the socket
-of an address and port is always that server's; a file left by a server that died is replaced. If the directory is unsafe, the path too long, or the socket cannot be made, the
-server listens on TCP alone and its workers use TCP (they also fall back to TCP whenever the
-socket refuses them). ``FLEETX_PS_LOCAL_SOCKETS=0`` turns the path off (``PSConfig.local``).
+of an address and port is always that server's; a file left by a server that died is replaced.
+If the directory is unsafe, the path too long, or the socket cannot be made, the server listens
+on TCP alone (its log says which check failed) and its workers use TCP (they also fall back to
+TCP whenever the socket refuses them). ``FLEETX_PS_LOCAL_SOCKETS=0`` turns the path off
+(``PSConfig.local_sockets``).
 
 Example:
     >>> path = socket_path("127.0.0.1", 6170)     # doctest: +SKIP
@@ -46,42 +48,63 @@ _MAX_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 def socket_dir(create: bool = True) -> Optional[str]:
     """This user's private directory for the sockets, created (mode 0700) when missing; None
     when it is not safe to use (not a directory, a link, another owner, open to others)."""
+    return _socket_dir(create)[0]
+
+
+def _socket_dir(create: bool) -> tuple[Optional[str], str]:
+    """``(directory, "")``, or ``(None, which check failed)``."""
     if not hasattr(socket, "AF_UNIX") or not hasattr(os, "geteuid"):
-        return None
+        return None, "this platform has no Unix-domain sockets"
     path = os.path.join(tempfile.gettempdir(), f"fleetx-ps-{os.geteuid()}")
     if create:
         try:
             os.mkdir(path, 0o700)
         except FileExistsError:
             pass
-        except OSError:
-            return None
+        except OSError as e:
+            return None, f"cannot create {path} ({e.strerror})"
     try:
         st = os.lstat(path)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        return None
-    return path
+    except OSError as e:
+        return None, f"cannot examine {path} ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return None, f"{path} is a symbolic link, not a directory"
+    if not stat.S_ISDIR(st.st_mode):
+        return None, f"{path} is not a directory"
+    if st.st_uid != os.geteuid():
+        return None, f"{path} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
+    if st.st_mode & 0o077:
+        return None, (f"{path} has mode {stat.S_IMODE(st.st_mode):04o}, open to other users "
+                      "(expected 0700)")
+    return path, ""
 
 
 def socket_path(host: str, port: int, create: bool = True) -> Optional[str]:
     """Where the server of TCP ``host:port`` on this machine listens locally (None: nowhere
     safe)."""
-    folder = socket_dir(create)
+    return _socket_path(host, port, create)[0]
+
+
+def _socket_path(host: str, port: int, create: bool) -> tuple[Optional[str], str]:
+    """``(path, "")``, or ``(None, which check failed)``."""
+    folder, problem = _socket_dir(create)
     if folder is None:
-        return None
+        return None, problem
     name = re.sub(r"[^A-Za-z0-9.:-]", "_", str(host)) or "_"
     path = os.path.join(folder, f"{name}-{int(port)}.sock")
-    return path if len(path.encode()) <= _MAX_PATH else None
+    if len(path.encode()) > _MAX_PATH:
+        return None, (f"the path {path} is {len(path.encode())} bytes, longer than a socket's "
+                      f"{_MAX_PATH}")
+    return path, ""
 
 
 def listen(host: str, port: int, backlog: int) -> Optional[socket.socket]:
     """A non-blocking Unix-domain socket listening for the server of TCP ``host:port`` (which
-    the caller has bound already), or None when none can be made (logged)."""
-    path = socket_path(host, port)
+    the caller has bound already), or None when none can be made (logged, naming the check
+    that failed)."""
+    path, problem = _socket_path(host, port, True)
     if path is None:
-        log.info("port %d: no private folder for a same-machine socket; TCP only", port)
+        log.info("port %d: no same-machine socket: %s; TCP only", port, problem)
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -4,7 +4,9 @@ get nothing; an unsafe folder or FLEETX_PS_LOCAL_SOCKETS=0 means TCP only.
 
 Real servers (threads of this process) and raw sockets."""
 import dataclasses
+import logging
 import os
+import re
 import socket
 import stat
 import sys
@@ -59,8 +61,10 @@ def test_tcp_only_when_turned_off(server, private_tmp):
     d.stop()
 
 
-@pytest.mark.parametrize("unsafe", ["open to others", "a link", "a file"])
-def test_an_unsafe_folder_means_tcp_only(server, private_tmp, tmp_path, unsafe):
+@pytest.mark.parametrize("unsafe, why", [
+    ("open to others", r"has mode 0755, open to other users \(expected 0700\)"),
+    ("a link", "is a symbolic link, not a directory"), ("a file", "is not a directory")])
+def test_an_unsafe_folder_means_tcp_only(server, private_tmp, tmp_path, unsafe, why, caplog):
     if unsafe == "open to others":
         private_tmp.mkdir(mode=0o755)
         os.chmod(private_tmp, 0o755)
@@ -70,8 +74,11 @@ def test_an_unsafe_folder_means_tcp_only(server, private_tmp, tmp_path, unsafe):
     else:
         private_tmp.write_text("")
     assert local.socket_dir() is None
-    srv, cfg = server()
+    with caplog.at_level(logging.INFO, logger="fleetx.ps"):
+        srv, cfg = server()
     assert srv._acceptor.local_sock is None
+    assert re.search(rf"no same-machine socket: {re.escape(str(private_tmp))} {why}; TCP only",
+                     caplog.text), caplog.text
     c = worker(cfg)
     assert family(c) == socket.AF_INET
     c.stop()
@@ -131,11 +138,15 @@ def test_an_address_of_this_machine_counts_as_local():
     assert local.is_local_host(mine)
 
 
-def test_a_path_too_long_for_a_socket_is_not_used(monkeypatch, tmp_path):
+def test_a_path_too_long_for_a_socket_is_not_used(monkeypatch, tmp_path, caplog):
     deep = tmp_path / ("d" * 120)
     deep.mkdir()
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(deep))
-    assert local.socket_path("127.0.0.1", 6000) is None and local.listen("127.0.0.1", 6000, 8) is None
+    assert local.socket_path("127.0.0.1", 6000) is None
+    with caplog.at_level(logging.INFO, logger="fleetx.ps"):
+        assert local.listen("127.0.0.1", 6000, 8) is None
+    assert re.search(r"port 6000: no same-machine socket: the path .*127\.0\.0\.1-6000\.sock is "
+                     r"\d+ bytes, longer than a socket's 100; TCP only", caplog.text), caplog.text
 
 
 def test_two_servers_on_one_port_at_two_addresses_keep_their_own_sockets(server, private_tmp):
