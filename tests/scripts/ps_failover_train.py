@@ -1,4 +1,5 @@
-"""An async parameter-server job that trains until told to stop (tests/launch/test_fleetrun_ps_failover.py).
+"""An async parameter-server job that trains until told to stop
+(tests/launch/test_fleetrun_ps_failover.py).
 
 The same unchanged script on every role: servers call ``init_server()`` / ``run_server()``;
 workers train ``ps_fleet_model.Net`` and append ``<step> <time>`` to ``<out>/progress<rank>``
