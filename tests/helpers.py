@@ -1,4 +1,5 @@
-"""What several test folders share (no tests here): loopback ports, an example's modules.
+"""What several test folders share (no tests here): loopback ports, an example's modules, a
+finished request.
 
 Import it as the tests import their neighbours, by putting this folder on ``sys.path``::
 
@@ -47,3 +48,17 @@ def example_modules(folder: Path) -> Iterator[None]:
         for n in names:
             sys.modules.pop(n, None)
         sys.modules.update(saved)
+
+
+class Done:
+    """A client request that has finished with ``result`` already (``wait`` returns it at
+    once), for fakes of the parameter-server client."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    def wait(self, timeout=None):
+        return self.result
+
+    def done(self) -> bool:
+        return True

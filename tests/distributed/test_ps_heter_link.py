@@ -221,11 +221,7 @@ def test_a_save_right_after_async_training_holds_every_section_step(tmp_path, mo
         return out
 
     config = dataclasses.replace(cluster(workers=1, mode="async"), save_root=str(tmp_path))
-    roles = hc.Roles()
-    roles.start("server", lambda: hc.serve(config, "server", LR))
-    roles.start("heter", lambda: hc.serve(config, "heter", LR))
-    roles.start("trainer 0", lambda: trainer(config))
-    roles.join()
+    roles = with_heter_worker(config, lambda: trainer(config))
     assert not roles.errors, roles.errors
     final = roles.results["trainer 0"]
     assert not np.allclose(final["mlp.0.weight"], hc.weights(hc.make())["mlp.0.weight"])

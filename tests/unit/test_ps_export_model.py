@@ -2,6 +2,9 @@
 was: a GEO worker's weights differ from the servers' between exchanges and its next delta is
 measured from them, so an export that replaced them would send other workers' updates back as
 its own."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
@@ -10,20 +13,15 @@ from fleetx.nn import SparseEmbedding
 from fleetx.ps_torch.export import export
 from fleetx.ps_torch.layout import ModelLayout
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import Done  # noqa: E402  (tests/helpers.py)
+
 
 class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.user = SparseEmbedding(2, name="user")
         self.mlp = nn.Linear(2, 1)
-
-
-class Done:
-    def __init__(self, value):
-        self.value = value
-
-    def wait(self, timeout=None):
-        return self.value
 
 
 class ServerSide:

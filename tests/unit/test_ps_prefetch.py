@@ -135,6 +135,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import Done  # noqa: E402  (tests/helpers.py)
 from ps_fleet_model import batch, loss_of, make_model, reference  # noqa: E402
 from test_ps_strategy import CountingComm, ps_fleet  # noqa: E402
 
@@ -237,17 +239,6 @@ class TableComm:
             uniq, inv = kernels.unique_inverse(flat)
             out[name] = SparseRows(uniq, self.table.pull(uniq, create), inv, np.shape(flat))
         return Done(PullResult(out, {}))
-
-
-class Done:
-    def __init__(self, result):
-        self.result = result
-
-    def wait(self, timeout=None):
-        return self.result
-
-    def done(self):
-        return True
 
 
 def admission_table(n=2):
