@@ -107,3 +107,47 @@ def test_a_peer_is_blamed_only_on_evidence_from_after_the_call_began():
     # ... but silent for long: named as such
     assert late(Record(1, 7, time=99.8, seqs={"0": 11}), now=120.0)[1].endswith(
         "it has not reported for 20 s (stopped, frozen or gone)")
+
+
+class _SilentStore:
+    """A store whose node is out of reach: every read blocks (until the test ends)."""
+
+    def __init__(self):
+        import threading
+        self.released = threading.Event()
+        self.reads = 0
+
+    def check(self, keys):
+        self.reads += 1
+        self.released.wait()
+        raise RuntimeError("store gone")
+
+    get = check
+
+
+def test_a_store_that_never_answers_blames_the_network_to_its_node(monkeypatch):
+    """A rank cut off from the store's node cannot read its peers' records: the diagnosis
+    names the peers and the store's address, within a few report intervals, not a hang."""
+    call = Call("all_reduce", "0", 5, ((3,),), ("float32",), started=time.time() - 20,
+                timeout=20.0)
+    monkeypatch.setattr(progress, "groups", lambda: {"0": (None, [0, 1])})
+    monkeypatch.setattr(progress, "sequence_numbers", lambda found=None: {"0": 5})
+    monkeypatch.setattr(progress, "recent_calls", lambda: [call])
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    store = _SilentStore()
+    try:
+        start = time.monotonic()
+        found = blame.diagnose(RuntimeError("Timed out waiting 20000ms for recv"), store,
+                               rank=0, timeout=300.0, interval=0.2)
+        assert time.monotonic() - start < 5 and store.reads == 1
+    finally:
+        store.released.set()
+    assert found.reporter == 0 and found.ranks == (1,)
+    assert found.message == (
+        "rank 1 did not arrive at all_reduce #5 on group 0 (ranks [0, 1]) within 20 s, and the "
+        "job's store at 10.0.0.1:29500 did not answer for 1 s: the network to that node is down "
+        "or the node is gone")
+    # the same failure with a store that answers but holds no record: no evidence, no blame
+    assert blame.diagnose(RuntimeError("Timed out waiting 20000ms for recv"), dist.HashStore(),
+                          rank=0, timeout=300.0, interval=0.2) is None
