@@ -138,6 +138,16 @@ def test_a_kill_outside_the_run_is_refused(kill_at):
     assert f"--kill-at {float(kill_at)}: must be inside (0, --duration 30.0)" in proc.stderr
 
 
+def test_without_the_harness_it_stops_first_naming_it_and_the_fix(tmp_path):
+    data = tmp_path / "data"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/ps_soak.py"), "run",
+                           "--data", str(data)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, env={**os.environ, "FLEETX_ANCHORS": str(tmp_path)})
+    assert proc.returncode == 1
+    assert "needs the reference script harness.py" in proc.stderr
+    assert not data.exists()                           # nothing generated, nothing started
+
+
 @pytest.mark.slow
 def test_the_soak_benchmark_runs_short_and_training_resumes_after_the_kill(tmp_path):
     data, out = tmp_path / "data", tmp_path / "soak.json"
