@@ -201,7 +201,7 @@ class KVClient:
             raise self._lost
         handle = Handle(len(per_server), finish)
         for part, (s, (meta, bufs, targets)) in enumerate(per_server.items()):
-            req = self._tracker.register(handle, part, s, targets)
+            req = self._tracker.register(handle, part, s, targets, kind.name)
             msg = Message(kind, req, meta, bufs)
             if self._failover is not None:
                 self._tracker.attach(req, msg)
@@ -401,6 +401,20 @@ class KVClient:
         refused and the sync rounds go on without it."""
         self.infer = True
         return self._request(Kind.INFER, {s: ({}, [], None) for s in self._servers()}, None)
+
+    def latency(self, histograms: bool = False):
+        """Send-to-reply latency of this client's requests so far, per message kind name (the
+        tracker's timing, :mod:`fleetx.ps.latency`): ``{"PULL": {"count", "p50", "p99",
+        "p999"}, ...}`` in seconds; ``histograms=True``: a copy of the histograms themselves
+        (:class:`~fleetx.ps.latency.Latencies`, to merge several workers' or subtract an
+        earlier copy). A request failover sent again counts from its first send.
+
+        Example:
+            >>> client.latency()["PULL"]["p99"]      # doctest: +SKIP
+            0.00213
+        """
+        lat = self._tracker.latency()
+        return lat if histograms else lat.summary()
 
     def stats(self) -> Handle:
         """Each server's :meth:`PSServer.stats`, in server order."""

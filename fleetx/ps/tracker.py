@@ -5,19 +5,24 @@ An operation that talks to several servers (a pull routed over all of them) is o
 :meth:`Handle.wait` runs the handle's ``finish`` function on the caller's thread once every
 part is in, so assembling results never blocks a receive thread. When a link is lost,
 :meth:`Tracker.fail_peer` fails every request still pending on it with an error naming the
-peer, so a wait never outlives a dead peer.
+peer, so a wait never outlives a dead peer. The tracker also times each request from its
+registration to its reply, per message kind (:mod:`fleetx.ps.latency`, :meth:`Tracker.latency`).
 """
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from fleetx.ps.api import PSConfigError, PeerLostError, PSTimeoutError, RemoteError
+from fleetx.ps.latency import BUCKETS, SUB_BITS, Latencies
 from fleetx.ps.transport import Message
 
 __all__ = ["Handle", "Tracker", "remote_error"]
 
+_SMALL, _HALF = 1 << SUB_BITS, SUB_BITS - 1
+_now = time.perf_counter_ns  # monotonic, ~60 ns
 _ERRORS = {cls.__name__: cls for cls in (PSConfigError, PSTimeoutError)}
 
 
@@ -95,20 +100,27 @@ class Handle:
 
 
 class Tracker:
-    """Request ids -> (handle, part, peer, receive targets)."""
+    """Request ids -> pending entries ``(handle, part, peer, receive targets, latency counts of
+    its kind, registration time in ns[, message kept for a resend])``."""
 
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, tuple] = {}
+        self._latency = Latencies()
+        self._counts: dict = {}  # kind name -> its histogram's counts (one lookup per request)
 
     def register(self, handle: Handle, part: int, peer: int,
-                 targets: Optional[list] = None) -> int:
+                 targets: Optional[list] = None, kind: Optional[str] = None) -> int:
         """A fresh request id for part ``part`` of ``handle``, sent to peer ``peer``.
-        ``targets``: arrays the reply's buffers should be received into, in order."""
+        ``targets``: arrays the reply's buffers should be received into, in order. ``kind``:
+        the message kind's name, to time the request under (None: not timed)."""
         req_id = next(self._ids)
         with self._lock:
-            self._pending[req_id] = (handle, part, peer, targets)
+            counts = self._counts.get(kind)
+            if counts is None and kind is not None:
+                counts = self._counts[kind] = self._latency.of(kind).counts
+            self._pending[req_id] = (handle, part, peer, targets, counts, _now())
         return req_id
 
     def attach(self, req_id: int, msg: Message) -> None:
@@ -116,13 +128,13 @@ class Tracker:
         with self._lock:
             entry = self._pending.get(req_id)
             if entry is not None:
-                self._pending[req_id] = entry[:4] + (msg,)
+                self._pending[req_id] = entry[:6] + (msg,)
 
     def unanswered(self, peer: int) -> list[Message]:
         """The kept messages of the requests still pending on ``peer``, oldest first."""
         with self._lock:
-            return [e[4] for k, e in sorted(self._pending.items())
-                    if e[2] == peer and len(e) > 4]
+            return [e[6] for k, e in sorted(self._pending.items())
+                    if e[2] == peer and len(e) > 6]
 
     def targets(self, req_id: int) -> Optional[list]:
         with self._lock:
@@ -130,9 +142,19 @@ class Tracker:
         return entry[3] if entry else None
 
     def resolve(self, msg: Message, peer_name: str) -> None:
-        """Complete (or fail, for an error reply) the request ``msg`` answers."""
+        """Complete (or fail, for an error reply) the request ``msg`` answers, and count its
+        latency (an error reply is a reply too)."""
         with self._lock:
             entry = self._pending.pop(msg.req_id, None)
+            if entry is not None and entry[4] is not None:
+                # latency.bucket() inlined: this runs for every reply, on a receive thread
+                ns = _now() - entry[5]
+                if ns < _SMALL:
+                    entry[4][ns] += 1
+                else:
+                    shift = ns.bit_length() - SUB_BITS
+                    b = (shift << _HALF) + (ns >> shift)
+                    entry[4][b if b < BUCKETS else BUCKETS - 1] += 1
         if entry is None:
             return  # already failed (its peer was declared lost), or a stale reply
         handle, part = entry[0], entry[1]
@@ -140,6 +162,11 @@ class Tracker:
             handle._fail(remote_error(msg.meta, peer_name))
         else:
             handle._complete(part, msg)
+
+    def latency(self) -> Latencies:
+        """A copy of the latency histograms, per message kind name, since this tracker began."""
+        with self._lock:
+            return self._latency.copy()
 
     def forget(self, req_id: int, error: BaseException) -> None:
         """Fail one request (its send failed)."""
