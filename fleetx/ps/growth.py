@@ -178,10 +178,15 @@ class RowStats:
         if not self.show_click:
             return
         cols, rate = self.cols.array[:rows, :2], np.float32(self.accessor.show_click_decay_rate)
-        for _ in range(passes):
-            before = cols.copy()
-            cols *= rate
-            if np.array_equal(before, cols):  # a fixed point (zeros): later passes change nothing
+        left = passes
+        while left > 0:
+            # one copy per 64 passes: a fixed point (zeros, or the smallest denormal the rate
+            # rounds back to) is stable, so multiplying past it inside a chunk changes nothing
+            before, chunk = cols.copy(), min(left, 64)
+            for _ in range(chunk):
+                cols *= rate
+            left -= chunk
+            if np.array_equal(before, cols):
                 break
 
     def score(self, show: np.ndarray, click: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 
 from fleetx.ps.api import (AccessorConfig, CountFilterEntry, InitConfig, PSConfigError,
                            ProbabilityEntry, RuleConfig, ShowClickEntry, SparseTableSpec)
-from fleetx.ps.growth import ADMITTED
+from fleetx.ps.growth import ADMITTED, RowStats
 from fleetx.ps.initializers import initial_rows
 from fleetx.ps.partition import server_of
 from fleetx.ps.rules import make_rule
@@ -298,3 +298,24 @@ def test_an_export_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"an export for serving \(save_inference_model\), "
                                               r"not a checkpoint"):
         open_chain(str(tmp_path / "x"))
+
+
+@pytest.mark.parametrize("passes", [1, 63, 64, 65, 200, 3000])
+def test_replayed_decay_is_the_shrinks_bit_for_bit(passes):
+    """A delta's load replays the decay of the shrinks since the save before (in chunks, up to
+    the fixed point): the same float32 values as that many shrinks, past the fixed point too
+    (3,000 passes of 0.97 take every show below the smallest denormal)."""
+    spec = SparseTableSpec("t", DIM, RuleConfig("sgd"), entry=ShowClickEntry(),
+                           accessor=AccessorConfig(show_click_decay_rate=0.97))
+    replayed, shrunk = RowStats(spec), RowStats(spec)
+    rng = np.random.default_rng(3)
+    values = np.concatenate([rng.uniform(0, 1e4, (50, 2)), [[1e-45, 3e-45], [0.0, 0.0]]])
+    for stats in (replayed, shrunk):
+        stats.reserve(len(values), 0)
+        stats.created(0, len(values), 0)
+        stats.cols.array[:len(values), :2] = values.astype(np.float32)
+    replayed.decay(len(values), passes)
+    for p in range(passes):
+        shrunk.shrink(len(values), p + 1, 10 ** 9)
+    np.testing.assert_array_equal(replayed.cols.array[:len(values), :2],
+                                  shrunk.cols.array[:len(values), :2])
