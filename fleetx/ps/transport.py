@@ -123,6 +123,11 @@ class _Late(Exception):
     """A frame did not complete before its deadline, or the peer fell silent."""
 
 
+#: receive buffers of every link of this process, reused once nothing holds them. One pool,
+#: not one per link: a server with a thousand workers would otherwise keep a block per size
+#: class per connection (gigabytes) though its one handler thread holds few at a time.
+_RECEIVE_POOL = BufferPool(keep=8)
+
 class Link:
     """A framed, heartbeat-watched connection to one peer.
 
@@ -166,7 +171,7 @@ class Link:
         self._out_bytes = 0
         self._io_threads = 0  # the socket is closed when the last of them ends
         self._credits = threading.BoundedSemaphore(max_inflight) if max_inflight else None
-        self._pool = BufferPool()  # buffers without a target: reused once nothing holds them
+        self._pool = _RECEIVE_POOL  # buffers without a target: reused once nothing holds them
         _tune(sock, min(_TICK, dead_after / 2))
         self._threads = [threading.Thread(target=self._recv_loop, name=f"ps-recv {name}",
                                           daemon=True)]
