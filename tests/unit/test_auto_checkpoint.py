@@ -155,3 +155,23 @@ def test_the_documented_loops_run(tmp_path):
     # By hand: steps 0-5, saved at 4. Automatic: restores step 4, then steps 4 and 5 again.
     assert taken == [0, 1, 2, 3, 4, 5, 4, 5]
     assert f.start_step() == 4
+
+
+def test_an_amp_step_skipped_for_inf_gradients_does_not_count(tmp_path):
+    """The count is of updates: a step the loss scaler skips (inf gradients) took none."""
+    s = fleet.DistributedStrategy()
+    s.amp = True
+    f = fleet.Fleet()
+    f.init(is_collective=True, strategy=s)
+    torch.manual_seed(0)
+    model = f.distributed_model(nn.Linear(6, 2))
+    opt = f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    f.auto_checkpoint(tmp_path / "c", every_steps=2)
+    x, y = batch(0)
+    opt.minimize(nn.functional.mse_loss(model(x), y))
+    before = params(model)
+    opt.minimize(nn.functional.mse_loss(model(x), y) * float("inf"))  # skipped
+    assert all(torch.equal(v, before[k]) for k, v in params(model).items())
+    assert f._steps_taken == 1 and not has_checkpoint(tmp_path / "c")
+    opt.minimize(nn.functional.mse_loss(model(x), y))
+    assert f._steps_taken == 2 and has_checkpoint(tmp_path / "c")
