@@ -5,6 +5,7 @@ unfinished pushes, and fail naming it once it stays away past the timeout; witho
 lost worker stays lost. The fleetrun version with a real SIGKILL is in
 tests/launch/test_fleetrun_ps_failover.py."""
 import logging
+import socket
 import sys
 import threading
 import time
@@ -49,6 +50,13 @@ def crash(client):
     client._heartbeats.stop()
     for link in client._links:
         link.close()
+
+
+def crash_communicator(comm):
+    """``crash`` for a worker driving a communicator: its sending thread ends with it."""
+    crash(comm.client)
+    comm._stopping.set()
+    comm._thread.join(5)
 
 
 def states(server, rank, want, timeout=10.0):
@@ -156,7 +164,7 @@ def test_the_communicator_of_a_restarted_worker_skips_the_start_barrier(cluster,
     np.testing.assert_array_equal(started[0]["dense"], INITIAL)
     np.testing.assert_array_equal(started[1]["dense"], INITIAL)
     push(comms[1].client, 2.0).wait(10)
-    crash(comms[0].client)
+    crash_communicator(comms[0])
     assert states(servers[0], 0, "away")
     again = make_communicator(cfg, 0, TABLES)
     comms.append(again)
@@ -166,7 +174,6 @@ def test_the_communicator_of_a_restarted_worker_skips_the_start_barrier(cluster,
     assert "worker 0: rejoined the job under way" in caplog.text
     for c in comms[1:]:
         c.stop()
-    comms[0].client._failover.stopping = True
 
 
 def test_a_restarted_geo_worker_starts_from_the_servers_current_values(cluster):
@@ -182,7 +189,7 @@ def test_a_restarted_geo_worker_starts_from_the_servers_current_values(cluster):
     comms[1].client.push({}, {"dense": delta}).wait(10)  # a GEO exchange adds its delta
     current = dense_of(comms[1].client)
     np.testing.assert_allclose(current, INITIAL + 0.25)
-    crash(comms[1].client)
+    crash_communicator(comms[1])
     assert states(servers[0], 1, "away")
     again = make_communicator(cfg, 1, TABLES)
     values = again.start({"dense": INITIAL})
@@ -255,3 +262,17 @@ def test_without_failover_a_dead_worker_is_lost_and_its_rank_cannot_return(clust
 
 def test_the_start_barrier_name_is_the_communicators():
     assert START_BARRIER == "fleetx.ps.start"
+
+
+def test_a_worker_whose_connection_broke_reconnects_to_the_same_server(cluster, caplog):
+    """Failover's reconnection also covers a server that never died: the worker's rank is
+    away on it until the new link's HELLO, and training goes on."""
+    cfg, servers, clients = cluster()
+    push(clients[1], 1.0).wait(10)
+    with caplog.at_level(logging.WARNING, logger="fleetx.ps"):
+        clients[1]._links[0].sock.shutdown(socket.SHUT_RDWR)  # the connection breaks
+        push(clients[1], 1.0).wait(15)  # answered once the worker reconnected
+    assert "kept running and kept its tables, only the connection broke" in caplog.text
+    assert "rejoined after" in caplog.text
+    assert all(s.stats()["workers"] == {0: "active", 1: "active"} for s in servers)
+    np.testing.assert_allclose(dense_of(clients[0]), INITIAL - 2.0, rtol=1e-6)
