@@ -32,7 +32,7 @@ class Worker:
     """One registered rank (a trainer, or a heter worker after the trainers)."""
 
     __slots__ = ("rank", "name", "link", "state", "last_request", "infer", "away",
-                 "rejoins")
+                 "rejoins", "pid", "new_process")
 
     def __init__(self, rank: int, name: str, link: Optional[Link]) -> None:
         self.rank, self.name, self.link, self.state = rank, name, link, "active"
@@ -40,6 +40,8 @@ class Worker:
         self.infer = False  # turned to inference: no writes, no sync rounds
         self.away: Optional[tuple[float, str]] = None  # failover: (since, why its link died)
         self.rejoins = 0  # HELLOs of this rank after its link died (failover)
+        self.pid: Any = None  # the process, as its HELLO says
+        self.new_process = False  # rejoined from another process (restarted by fleetrun)
 
 
 class Roster:
@@ -108,9 +110,9 @@ class Roster:
         link.name = f"{who} {rank} (pid {meta.get('pid')} on {meta.get('host')})"
         link.peer_info["rank"] = rank
         worker = self.workers[rank] = Worker(rank, link.name, link)
-        worker.infer = infer
+        worker.infer, worker.pid = infer, meta.get("pid")
         if old is not None:  # away: the restarted process, or this one on a new link
-            worker.rejoins = old.rejoins + 1
+            worker.rejoins, worker.new_process = old.rejoins + 1, old.pid != worker.pid
             log.warning("%s: %s rejoined after %.1f s away (%s); it was %s", self.name,
                         link.name, time.monotonic() - old.away[0], old.away[1], old.name)
         return worker

@@ -357,6 +357,8 @@ class PSServer:
             rank = link.peer_info["rank"]
             # a rank that rejoins: the job started without it waiting at the start barrier
             meta["rejoined"], meta["started"] = worker.rejoins > 0, self._waits.started
+            if worker.new_process:  # the new process counts its pushes from 0
+                self._pushes.pop(rank, None)
             meta["restart"] = self.config.restart_count
             meta["restored"] = None if self.restored is None else {
                 "save_id": self.restored.save_id, "created": self.restored.created,

@@ -276,3 +276,19 @@ def test_a_worker_whose_connection_broke_reconnects_to_the_same_server(cluster, 
     assert "rejoined after" in caplog.text
     assert all(s.stats()["workers"] == {0: "active", 1: "active"} for s in servers)
     np.testing.assert_allclose(dense_of(clients[0]), INITIAL - 2.0, rtol=1e-6)
+
+
+def test_a_restarted_process_counts_its_applied_pushes_afresh(cluster):
+    """What a server reports lost after its own restart compares the worker's count of
+    answered pushes with the snapshot's: a new process of the rank starts both at 0."""
+    cfg, servers, clients = cluster()
+    for _ in range(3):
+        push(clients[1], 0.1).wait(10)
+    assert servers[0]._pushes[1] == 3
+    crash(clients[1])
+    assert states(servers[0], 1, "away")
+    clients[1] = KVClient(cfg, 1, TABLES)
+    clients[1]._hello_meta = lambda meta=clients[1]._hello_meta(): {**meta, "pid": -1}
+    clients[1].start()  # another process of rank 1
+    push(clients[1], 0.1).wait(10)
+    assert servers[0]._pushes[1] == 1 == clients[1]._failover.acked[0]
