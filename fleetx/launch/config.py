@@ -199,7 +199,8 @@ class LaunchConfig:
     max_restarts: int = _flag(
         "times the whole worker group is restarted after a failure before fleetrun gives up; "
         "in a parameter-server job: turns failover on (servers snapshot their shards, a server "
-        "that dies is restarted up to N times from its latest snapshot, workers reconnect)",
+        "that dies is restarted up to N times from its latest snapshot, workers reconnect; a "
+        "worker that dies is restarted up to N times and rejoins)",
         0, parse=_int, check=_at_least(0), metavar="N")
     ips: tuple[str, ...] = _flag(
         "addresses of every node, comma-separated, in node-rank order; each node finds itself "

@@ -30,9 +30,11 @@ on SIGKILL, and takes whatever it started along) and writes ``serverlog.N`` / ``
 finished, the servers and heter workers finish by themselves (they stop once every worker of
 the job said goodbye); on a single node fleetrun stops any that linger. Any process that fails stops the job: fleetrun
 names it (role and index), shows the end of its log and exits 1; with ``--max_restarts N``
-(failover) a server that fails is restarted instead, up to N times, with the same endpoint,
-environment and secret plus ``TORCHELASTIC_RESTART_COUNT``, and loads its latest snapshot
-(:mod:`fleetx.ps.snapshots`; ``FLEETX_PS_CHECKPOINT_DIR`` / ``_INTERVAL`` / ``FLEETX_PS_JOB_ID``).
+(failover) a server or worker that fails is restarted instead, up to N times each, with the
+same endpoint, environment and secret plus ``TORCHELASTIC_RESTART_COUNT``: a server loads its
+latest snapshot (:mod:`fleetx.ps.snapshots`; ``FLEETX_PS_CHECKPOINT_DIR`` / ``_INTERVAL`` /
+``FLEETX_PS_JOB_ID``), a worker runs the script from the top and rejoins the servers, which
+kept its rank for it (:mod:`fleetx.ps.roster`).
 """
 from __future__ import annotations
 
@@ -288,7 +290,8 @@ def plan(config: LaunchConfig, *, is_local: Callable[[str], bool] = hosts.is_loc
         notes.append(f"failover: each server snapshots its shard every "
                      f"{float(shared['FLEETX_PS_CHECKPOINT_INTERVAL']):g} s into "
                      f"{shared['FLEETX_PS_CHECKPOINT_DIR']}; a server that fails is restarted "
-                     f"from its latest snapshot, up to {config.max_restarts} time(s)")
+                     f"from its latest snapshot, a worker that fails rejoins, each up to "
+                     f"{config.max_restarts} time(s)")
     local = tuple(PSProcess(role, i, ep, {**_process_env(role, i, ep, servers, workers, log_dir,
                                                          omp, heters), **shared,
                                           **ifnames.get(addr[ep], {})})
@@ -331,17 +334,20 @@ class _Job:
               flush=True)
 
     def restartable(self, proc: PSProcess) -> bool:
-        """Failover restarts servers (workers and heter workers: not yet)."""
-        return proc.role == "server" and self.restarts[proc] < self.plan.max_restarts
+        """Failover restarts servers and workers (heter workers: not yet)."""
+        return proc.role in ("server", "worker") and \
+            self.restarts[proc] < self.plan.max_restarts
 
     def restart(self, proc: PSProcess, code: Optional[int]) -> None:
         """Announce the failure of ``proc`` and start it again (its log continues)."""
         self.procs[proc].wait()
         restart = self.restarts[proc] + 1
+        then = ("it loads its latest snapshot and the workers reconnect" if proc.role ==
+                "server" else "it runs the script from the top and rejoins the servers, which "
+                "kept their tables")
         print(f"fleetrun: {proc.name} {logs.describe_exit(code)}; restarting it (restart "
-              f"{restart} of {self.plan.max_restarts}): it loads its latest snapshot and the "
-              f"workers reconnect; its log continues in {proc.log_path(self.plan.log_dir)}",
-              file=sys.stderr, flush=True)
+              f"{restart} of {self.plan.max_restarts}): {then}; its log continues in "
+              f"{proc.log_path(self.plan.log_dir)}", file=sys.stderr, flush=True)
         self._spawn(proc, restart)
 
     def codes(self) -> dict[PSProcess, Optional[int]]:

@@ -94,6 +94,9 @@ class KVClient:
         self._lost: Optional[PeerLostError] = None
         self._heartbeats: Optional[Heartbeats] = None
         self.initialized: set[str] = set()  # tables some server already holds (a checkpoint)
+        # failover: the servers knew this rank (a restarted worker), and the job is past its
+        # start barrier (server 0 says)
+        self.rejoined = self.started = False
         self._registered = False
         self._pool = BufferPool()
         self._key = b""
@@ -126,6 +129,8 @@ class KVClient:
                                 None).wait(c.timeout)
         for r in replies:
             self.initialized |= set(r.meta.get("initialized", ()))
+        self.rejoined = any(r.meta.get("rejoined") for r in replies)
+        self.started = bool(replies[0].meta.get("started"))
         self._registered = True
         kernels.log_backend(log, f"worker {self.rank}")
 

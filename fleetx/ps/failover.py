@@ -133,6 +133,11 @@ class Failover:
         return link, reply[0].meta
 
     def _report(self, s: int, name: str, meta: dict, away: float, again: int) -> None:
+        if meta.get("rejoined"):  # the same server: only the connection broke
+            log.warning("worker %d: %s is back after %.1f s: it kept running and kept its "
+                        "tables, only the connection broke; %d unanswered request(s) sent "
+                        "again", self.client.rank, name, away, again)
+            return
         restored = meta.get("restored")
         kept = int(restored["pushes"]) if restored else 0
         lost, self.acked[s] = max(0, self.acked[s] - kept), kept

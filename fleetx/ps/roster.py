@@ -6,6 +6,12 @@ worker registers with HELLO (its rank, table layout and mode checked here), turn
 with INFER, stops with BYE; it is *lost* when its connection dies, when it never connected
 within ``PSConfig.timeout``, or when the server finds it stuck (``fleetx.ps.rounds.stalled``).
 The first loss is what the server raises when it ends.
+
+Failover (``PSConfig.failover``, ``fleetrun --max_restarts``): a trainer whose connection dies
+is *away*, not lost: fleetrun restarts a killed worker, and a worker whose link broke
+reconnects. Sync rounds and barriers keep waiting for it; a HELLO of its rank (the restarted
+process, or the same one reconnecting) makes it active again, on the new link. A worker away
+longer than ``PSConfig.timeout`` is lost, and the waits fail naming it.
 """
 from __future__ import annotations
 
@@ -25,12 +31,17 @@ log = logging.getLogger("fleetx.ps")
 class Worker:
     """One registered rank (a trainer, or a heter worker after the trainers)."""
 
-    __slots__ = ("rank", "name", "link", "state", "last_request", "infer")
+    __slots__ = ("rank", "name", "link", "state", "last_request", "infer", "away",
+                 "rejoins", "pid", "new_process")
 
     def __init__(self, rank: int, name: str, link: Optional[Link]) -> None:
         self.rank, self.name, self.link, self.state = rank, name, link, "active"
         self.last_request = time.monotonic()  # heartbeats do not count: they prove life only
         self.infer = False  # turned to inference: no writes, no sync rounds
+        self.away: Optional[tuple[float, str]] = None  # failover: (since, why its link died)
+        self.rejoins = 0  # HELLOs of this rank after its link died (failover)
+        self.pid: Any = None  # the process, as its HELLO says
+        self.new_process = False  # rejoined from another process (restarted by fleetrun)
 
 
 class Roster:
@@ -92,14 +103,18 @@ class Roster:
             raise PSConfigError(f"worker {rank} runs mode {meta.get('mode')!r}, this server "
                                 f"runs {mode!r}")
         old = self.workers.get(rank)
-        if old is not None:
+        if old is not None and old.state != "away":
             raise PSConfigError(f"worker rank {rank} already {old.state} ({old.name})")
         who = "worker" if rank < self.config.num_workers else \
             f"heter worker {rank - self.config.num_workers}, rank"
         link.name = f"{who} {rank} (pid {meta.get('pid')} on {meta.get('host')})"
         link.peer_info["rank"] = rank
         worker = self.workers[rank] = Worker(rank, link.name, link)
-        worker.infer = infer
+        worker.infer, worker.pid = infer, meta.get("pid")
+        if old is not None:  # away: the restarted process, or this one on a new link
+            worker.rejoins, worker.new_process = old.rejoins + 1, old.pid != worker.pid
+            log.warning("%s: %s rejoined after %.1f s away (%s); it was %s", self.name,
+                        link.name, time.monotonic() - old.away[0], old.away[1], old.name)
         return worker
 
     def turned_to_inference(self, link: Link) -> None:
@@ -110,12 +125,26 @@ class Roster:
         self.workers[link.peer_info["rank"]].state = "finished"
         self._on_change()
 
-    def link_lost(self, link: Link, reason: str) -> None:
-        """``link`` died: its worker is lost, unless it was never registered on it or said BYE."""
+    def link_lost(self, link: Link, reason: str) -> bool:
+        """``link`` died: its worker is lost (with failover, a trainer is away: True), unless
+        it was never registered on it or said BYE."""
         w = self.of(link)
         if w is None or w.link is not link or w.state != "active":
-            return
+            return False
+        if self.config.failover and w.rank < self.config.num_workers:
+            w.state, w.away = "away", (time.monotonic(), reason)
+            log.warning("%s: %s is away (%s); failover: waiting up to %.0f s (FLEETX_TIMEOUT) "
+                        "for it to rejoin", self.name, w.name, reason, self.config.timeout)
+            return True
         self.mark_lost(w, reason)
+        return False
+
+    def check_away(self, now: float) -> None:
+        """Failover: a worker away for longer than ``timeout`` is lost."""
+        for w in self.workers.values():
+            if w.state == "away" and now - w.away[0] > self.config.timeout:
+                self.mark_lost(w, f"{w.away[1]}; failover: it did not rejoin within "
+                                  f"{self.config.timeout:g} s (FLEETX_TIMEOUT)")
 
     def mark_lost(self, w: Worker, reason: str) -> None:
         w.state = "lost"
@@ -137,7 +166,8 @@ class Roster:
 
     def expected(self, rounds: bool = False) -> list[int]:
         """Trainer ranks a barrier (or, with ``rounds``, a sync round) must hear from: all
-        but the stopped ones, and for rounds also those that turned to inference."""
+        but the stopped ones, and for rounds also those that turned to inference (an away
+        worker is expected: it rejoins, or is lost after the timeout)."""
         out = []
         for r in range(self.config.num_workers):
             w = self.workers.get(r)
@@ -152,7 +182,8 @@ class Roster:
         return all(s in ("finished", "lost") for s in states)
 
     def active_requests(self) -> dict[int, float]:
-        """``{rank: time of its last request}`` of the active workers."""
+        """``{rank: time of its last request}`` of the active workers (an away worker is not
+        stuck: its own timeout runs, :meth:`check_away`; once it rejoins, this starts again)."""
         return {r: w.last_request for r, w in self.workers.items() if w.state == "active"}
 
     def states(self) -> dict[int, str]:

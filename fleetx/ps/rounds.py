@@ -16,7 +16,11 @@ from __future__ import annotations
 import collections
 from typing import Any, Iterable, Mapping, NamedTuple, Optional
 
-__all__ = ["Waits", "Waiting", "Stall", "stalled"]
+__all__ = ["Waits", "Waiting", "Stall", "stalled", "START_BARRIER"]
+
+#: the barrier every worker enters after its HELLO (and worker 0's INIT); once it completed, a
+#: worker that rejoins under failover skips it (the others passed it long ago)
+START_BARRIER = "fleetx.ps.start"
 
 
 class Waiting(NamedTuple):
@@ -44,6 +48,7 @@ class Waits:
     def __init__(self) -> None:
         self._rounds: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._barriers: dict[str, dict[int, Waiting]] = {}
+        self.started = False  # START_BARRIER completed
 
     def push(self, rank: int, item: Waiting) -> None:
         self._rounds[rank].append(item)
@@ -62,7 +67,23 @@ class Waits:
         """Every barrier that all of ``expected`` entered (removed)."""
         expected = list(expected)
         done = [name for name, w in self._barriers.items() if all(r in w for r in expected)]
+        self.started = self.started or START_BARRIER in done
         return [list(self._barriers.pop(name).values()) for name in done]
+
+    def forget(self, rank: int, link: Any) -> int:
+        """Drop what ``rank`` sent on ``link`` (which died) and still waits: its pushes not
+        yet in a round and its barrier entries. Returns how many. (Failover: the worker
+        rejoins and sends its steps again; a round keeps waiting for its rank.)"""
+        q = self._rounds.get(rank)
+        kept = collections.deque(i for i in q if i.link is not link) if q else None
+        dropped = len(q) - len(kept) if q else 0
+        if q:
+            self._rounds[rank] = kept
+        for w in self._barriers.values():
+            if rank in w and w[rank].link is link:
+                del w[rank]
+                dropped += 1
+        return dropped
 
     def drain(self) -> list[Waiting]:
         """Every waiting request, rounds and barriers (removed): to fail them all."""

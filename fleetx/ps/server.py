@@ -144,6 +144,9 @@ class PSServer:
         self._queue: queue.Queue = queue.Queue()
         self.roster = Roster(config, read_only, self.name, on_change=self._progress)
         self._waits = Waits()  # sync rounds and barriers
+        # a restarted server's workers passed the start barrier (a worker restarted later
+        # must not wait there)
+        self._waits.started = restart
         self._requests = 0
         self._refused = RateLimitedLog()  # requests refused, by kind
         self._skipped = RateLimitedLog()  # pushes skipped for NaN/inf (nonfinite="skip")
@@ -268,6 +271,7 @@ class PSServer:
                 link.handled()  # the link may hand over its next request
             now = time.monotonic()
             self.roster.check_registration(now)
+            self.roster.check_away(now)
             if now >= next_stall_check:  # timeouts are seconds long: not on every request
                 self._check_stalls(now)
                 next_stall_check = now + _STALL_CHECK_S
@@ -348,11 +352,16 @@ class PSServer:
     # ------------------------------------------------------------------ workers
 
     def _on_hello(self, link: Link, msg: Message) -> Message:
-        self.roster.register(link, msg.meta, self.tables.fingerprint(), self.config.mode.value)
+        worker = self.roster.register(link, msg.meta, self.tables.fingerprint(),
+                                      self.config.mode.value)
         meta = {"server": self.index, "initialized": sorted(self.shard.initialized),
                 "read_only": self.read_only}
         if self.config.failover:  # a reconnecting worker tells what it lost
             rank = link.peer_info["rank"]
+            # a rank that rejoins: the job started without it waiting at the start barrier
+            meta["rejoined"], meta["started"] = worker.rejoins > 0, self._waits.started
+            if worker.new_process:  # the new process counts its pushes from 0
+                self._pushes.pop(rank, None)
             meta["restart"] = self.config.restart_count
             meta["restored"] = None if self.restored is None else {
                 "save_id": self.restored.save_id, "created": self.restored.created,
@@ -372,7 +381,8 @@ class PSServer:
     def _worker_lost(self, link: Link, reason: str) -> None:
         if reason.startswith("protocol error"):  # the transport's words for a malformed frame
             self._refused.warning("frame", "%s: closed %s: %s", self.name, link.name, reason)
-        self.roster.link_lost(link, reason)
+        if self.roster.link_lost(link, reason):  # failover: away; its rounds wait for it
+            self._waits.forget(link.peer_info["rank"], link)
 
     def _progress(self) -> None:
         self._try_rounds()

@@ -22,6 +22,7 @@ own modules; :func:`fleetx.ps_torch.worker.make_communicator` picks by ``PSConfi
 from __future__ import annotations
 
 import abc
+import logging
 from typing import ClassVar, Mapping, Optional, Sequence
 
 import numpy as np
@@ -30,9 +31,12 @@ from fleetx.checkpoint import SaveWriter
 from fleetx.ps.api import CommunicatorConfig, PSMode, PSConfig, Tables
 from fleetx.ps.checkpoint import save_dense
 from fleetx.ps.client import KVClient
+from fleetx.ps.rounds import START_BARRIER
 from fleetx.ps.tracker import Handle
 
 __all__ = ["Communicator", "SyncCommunicator"]
+
+log = logging.getLogger("fleetx.ps")
 
 
 class Communicator(abc.ABC):
@@ -68,14 +72,23 @@ class Communicator(abc.ABC):
             meet: wait at the start barrier for the other workers (a heter worker, not
                 counted in barriers, assigns its tables itself instead).
 
+        A worker that fleetrun restarted under failover rejoins a job under way: its INIT is a
+        no-op (the servers keep every table they already hold, the trained values), and it
+        does not wait at the start barrier the others passed long ago.
+
         Returns:
-            table -> the servers' flat dense weights (a checkpoint's, if one was loaded).
+            table -> the servers' flat dense weights (a checkpoint's, if one was loaded; the
+            trained ones for a worker that rejoins).
         """
         self.client.start()
         if (self.rank == 0 if assign is None else assign) and (dense or sparse):
             self.client.init(sparse, dense).wait()
-        if meet:
-            self.client.barrier("fleetx.ps.start").wait()
+        if self.client.rejoined or self.client.started:
+            log.warning("worker %d: rejoined the job under way (restart %d): the servers kept "
+                        "their tables; training starts from their current values", self.rank,
+                        self.config.restart_count)
+        if meet and not self.client.started:
+            self.client.barrier(START_BARRIER).wait()
         values = self.client.pull(dense=self.dense_names).wait().dense if self.dense_names \
             else {}
         self._started(values)

@@ -2,9 +2,9 @@
 imports torch in four processes and trains for tens of seconds).
 
 ``--max_restarts 1``: server 0 of 2 is killed mid-training; fleetrun restarts it, it loads its
-latest snapshot, both workers reconnect and train on, the job exits 0. Without
-``--max_restarts`` the same kill stops the job, naming the server; a killed worker is not
-restarted yet and stops the job likewise.
+latest snapshot, both workers reconnect and train on, the job exits 0; a killed worker is
+restarted and rejoins. Without ``--max_restarts`` either kill stops the job, naming the
+process.
 """
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ class Job:
         path = self.out / f"progress{rank}"
         lines = path.read_text().splitlines() if path.exists() else []
         return [(int(a), float(b)) for a, b, *_ in (l.split() for l in lines if l.count(" ") == 2)]
+
+    def losses(self, rank: int) -> list[str]:
+        path = self.out / f"progress{rank}"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [l.split()[2] for l in lines if l.count(" ") == 2]
 
     def log_text(self, name: str) -> str:
         path = self.log / name
@@ -123,9 +128,46 @@ def test_without_max_restarts_a_killed_server_stops_the_job_naming_it(job):
     assert "server 0 failed" in err and "killed by signal SIGKILL" in err, err
 
 
-def test_a_killed_worker_is_not_restarted_yet_and_stops_the_job_naming_it(job):
-    j = job("--max_restarts", "1")
-    j.training(steps=20)
+def test_a_killed_worker_is_restarted_and_rejoins_with_the_trained_tables(job):
+    """Worker 0 (the one whose INIT assigned the initial values) is killed: fleetrun restarts
+    it, the unchanged script's init_worker rejoins, its INIT changes nothing, and its first
+    loss is that of the trained model; worker 1 trains on throughout; the job exits 0."""
+    j = job("--max_restarts", "1", "--checkpoint_interval", "1s")
+    j.training(steps=50, snapshot=False)
+    first_loss = float(j.losses(0)[0])
+    os.kill(j.pid("worker", 0), signal.SIGKILL)
+    killed = time.time()
+    before = len(j.steps(0))
+    # the restarted worker appends to the same progress file, counting from step 1 again
+    assert wait_for(lambda: len(j.steps(0)) > before + 20, 60), \
+        j.stderr.read_text()[-3000:] + j.log_text("workerlog.0")[-3000:]
+    again = j.steps(0)[before:]
+    assert again[0][0] == 1
+    back_after = again[0][1] - killed
+    print(f"worker 0 killed: training again after {back_after:.1f} s")
+    assert back_after < 45
+    # worker 1 never stopped: it took steps while worker 0 was away
+    assert any(killed < t < again[0][1] for _, t in j.steps(1))
+    # the restarted worker starts from the servers' trained values, not the initial ones:
+    # the same batch (step 1's) costs much less than at the job's start
+    assert float(j.losses(0)[before]) < 0.8 * first_loss, (first_loss, j.losses(0)[before])
+    code = j.finish()
+    err, log0 = j.stderr.read_text(), j.log_text("workerlog.0")
+    assert code == 0, err[-3000:]
+    assert re.search(r"worker 0 \(127\.0\.0\.1:\d+\) was killed by signal SIGKILL; restarting "
+                     r"it \(restart 1 of 1\): it runs the script from the top and rejoins", err), err
+    assert "worker 0: rejoined the job under way (restart 1)" in log0, log0[-3000:]
+    for s in (0, 1):
+        assert re.search(r"worker 0 \(pid \d+ on \S+\) rejoined after [\d.]+ s away",
+                         j.log_text(f"serverlog.{s}")), j.log_text(f"serverlog.{s}")[-3000:]
+    # the single-node job's secret is in the environment, the same for the restarted worker
+    # (it authenticated), and never printed
+    assert "FLEETX_PS_SECRET" not in j.stdout.read_text()
+
+
+def test_without_max_restarts_a_killed_worker_stops_the_job_naming_it(job):
+    j = job()
+    j.training(steps=20, snapshot=False)
     os.kill(j.pid("worker", 1), signal.SIGKILL)
     code = j.proc.wait(60)
     err = j.stderr.read_text()
