@@ -29,14 +29,15 @@ QUEUE = 16  # the async worker's send_queue_size: steps it can take with a serve
 
 
 class Job:
-    def __init__(self, tmp_path: Path, *flags: str) -> None:
+    def __init__(self, tmp_path: Path, *flags: str, mode: str = "async") -> None:
         self.token = f"fleetx-failover-{uuid.uuid4().hex}"
         self.out, self.log = tmp_path / "out", tmp_path / "log"
         self.out.mkdir()
         self.stdout, self.stderr = tmp_path / "stdout", tmp_path / "stderr"
         self.proc = subprocess.Popen(
             fleetrun_cmd("--server_num", "2", "--worker_num", "2", "--log_dir", self.log, *flags,
-                         SCRIPT, "--out", self.out, "--max-seconds", "240", "--tag", self.token),
+                         SCRIPT, "--out", self.out, "--max-seconds", "240", "--tag", self.token,
+                         "--mode", mode),
             cwd=tmp_path, stdout=self.stdout.open("w"), stderr=self.stderr.open("w"))
 
     def pid(self, role: str, index: int) -> int:
@@ -81,13 +82,14 @@ class Job:
 @pytest.fixture
 def job(tmp_path):
     jobs = []
-    yield lambda *flags: jobs.append(Job(tmp_path, *flags)) or jobs[-1]
+    yield lambda *flags, **kw: jobs.append(Job(tmp_path, *flags, **kw)) or jobs[-1]
     for j in jobs:
         j.close()
 
 
-def test_a_killed_server_is_restarted_from_its_snapshot_and_training_goes_on(job):
-    j = job("--max_restarts", "1", "--checkpoint_interval", "1s")
+@pytest.mark.parametrize("mode", ["async", "sync", "geo"])
+def test_a_killed_server_is_restarted_from_its_snapshot_and_training_goes_on(job, mode):
+    j = job("--max_restarts", "1", "--checkpoint_interval", "1s", mode=mode)
     j.training()
     os.kill(j.pid("server", 0), signal.SIGKILL)
     killed = time.time()
@@ -128,11 +130,13 @@ def test_without_max_restarts_a_killed_server_stops_the_job_naming_it(job):
     assert "server 0 failed" in err and "killed by signal SIGKILL" in err, err
 
 
-def test_a_killed_worker_is_restarted_and_rejoins_with_the_trained_tables(job):
+@pytest.mark.parametrize("mode", ["async", "sync", "geo"])
+def test_a_killed_worker_is_restarted_and_rejoins_with_the_trained_tables(job, mode):
     """Worker 0 (the one whose INIT assigned the initial values) is killed: fleetrun restarts
     it, the unchanged script's init_worker rejoins, its INIT changes nothing, and its first
-    loss is that of the trained model; worker 1 trains on throughout; the job exits 0."""
-    j = job("--max_restarts", "1", "--checkpoint_interval", "1s")
+    loss is that of the trained model; worker 1 trains on throughout (sync: its rounds wait for
+    the restarted worker, then go on); the job exits 0."""
+    j = job("--max_restarts", "1", "--checkpoint_interval", "1s", mode=mode)
     j.training(steps=50, snapshot=False)
     first_loss = float(j.losses(0)[0])
     os.kill(j.pid("worker", 0), signal.SIGKILL)
@@ -146,8 +150,11 @@ def test_a_killed_worker_is_restarted_and_rejoins_with_the_trained_tables(job):
     back_after = again[0][1] - killed
     print(f"worker 0 killed: training again after {back_after:.1f} s")
     assert back_after < 45
-    # worker 1 never stopped: it took steps while worker 0 was away
-    assert any(killed < t < again[0][1] for _, t in j.steps(1))
+    if mode == "sync":  # worker 1's rounds waited (its step in flight at most), then go on
+        assert sum(killed < t < again[0][1] for _, t in j.steps(1)) <= 1, j.steps(1)[-20:]
+        assert wait_for(lambda: sum(t > again[0][1] for _, t in j.steps(1)) > 20, 60)
+    else:  # worker 1 never stopped: it took steps while worker 0 was away
+        assert any(killed < t < again[0][1] for _, t in j.steps(1))
     # the restarted worker starts from the servers' trained values, not the initial ones:
     # the same batch (step 1's) costs much less than at the job's start
     assert float(j.losses(0)[before]) < 0.8 * first_loss, (first_loss, j.losses(0)[before])

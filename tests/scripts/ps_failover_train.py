@@ -20,12 +20,15 @@ ap.add_argument("--out", required=True)
 ap.add_argument("--max-seconds", type=float, default=120.0)
 ap.add_argument("--pause", type=float, default=0.01, help="seconds between steps")
 ap.add_argument("--tag", default="", help="ignored: lets a test find the job's processes")
+ap.add_argument("--mode", choices=("async", "sync", "geo"), default="async")
 args = ap.parse_args()
 
 fleet.init()
 model = fleet.distributed_model(make_model())
 strategy = fleet.DistributedStrategy()
-strategy.a_sync = True
+strategy.a_sync = args.mode != "sync"
+if args.mode == "geo":
+    strategy.a_sync_configs = {"k_steps": 4}
 opt = fleet.distributed_optimizer(make_optimizer("adagrad", model.parameters(), 0.1), strategy)
 
 if fleet.is_server():
