@@ -177,9 +177,9 @@ class Roster:
 
     def finished(self) -> bool:
         """Every rank stopped or was lost."""
-        states = [self.workers[r].state if r in self.workers else None
-                  for r in self.registering()]
-        return all(s in ("finished", "lost") for s in states)
+        workers = self.workers  # checked after every request: stops at the first rank still on
+        return all(r in workers and workers[r].state in ("finished", "lost")
+                   for r in self.registering())
 
     def active_requests(self) -> dict[int, float]:
         """``{rank: time of its last request}`` of the active workers (an away worker is not

@@ -271,8 +271,8 @@ class PSServer:
                 link.handled()  # the link may hand over its next request
             now = time.monotonic()
             self.roster.check_registration(now)
-            self.roster.check_away(now)
             if now >= next_stall_check:  # timeouts are seconds long: not on every request
+                self.roster.check_away(now)
                 self._check_stalls(now)
                 next_stall_check = now + _STALL_CHECK_S
             if self._snapshots is not None and self._snapshots.due(now):

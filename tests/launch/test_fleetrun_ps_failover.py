@@ -114,6 +114,7 @@ def test_a_killed_server_is_restarted_from_its_snapshot_and_training_goes_on(job
                          r"\(written [^)]+\): (\d+) push\(es\) of this worker it had applied "
                          r"after that are lost", text)
         assert back and float(back[1]) < 30, text[-3000:]
+        print(f"{mode}: server 0 killed; worker {rank} says it was back after {back[1]} s")
     # the secret a single-node job gets stays in the environment, the same after the restart
     assert "FLEETX_PS_SECRET" not in j.stdout.read_text()
 
