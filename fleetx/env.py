@@ -53,6 +53,7 @@ def _v(name: str, meaning: str, writer: str, reader: str, counterparts: str = ""
 
 _ROLE = "role_maker"
 _ROLE_BOOT = "role_maker, launch bootstrap"
+_CLUSTER = "role_maker (fleetx.clusters)"
 _VARS = [
     # --- collective, Paddle names -------------------------------------------------------------
     _v("PADDLE_TRAINER_ID", "global rank of this trainer (PS: index among workers)",
@@ -94,6 +95,42 @@ _VARS = [
     _v("TORCHELASTIC_USE_AGENT_STORE", "True: the elastic agent already serves the store at "
        "MASTER_ADDR:MASTER_PORT and every rank connects to it as a client", "torch elastic agent",
        "fleet (process group), launch bootstrap", "none"),
+    # --- cluster launchers (read, never written: fleetx.clusters, docs/clusters.md) ----------
+    _v("SLURM_PROCID", "global rank of this task", "srun", _CLUSTER, "torchrun RANK"),
+    _v("SLURM_NTASKS", "number of tasks of the job step", "srun", _CLUSTER, "torchrun WORLD_SIZE"),
+    _v("SLURM_LOCALID", "rank of this task on its node", "srun", _CLUSTER, "torchrun LOCAL_RANK"),
+    _v("SLURM_NODEID", "index of this task's node in the step", "srun", _CLUSTER,
+       "torchrun GROUP_RANK"),
+    _v("SLURM_STEP_NODELIST", "nodes of the job step, in Slurm's compressed host-list syntax; "
+       "the first runs task 0 and serves the rendezvous unless MASTER_ADDR is set", "srun",
+       _CLUSTER, "torchrun MASTER_ADDR"),
+    _v("SLURM_JOB_NODELIST", "nodes of the job (used when SLURM_STEP_NODELIST is unset)",
+       "sbatch, salloc, srun", _CLUSTER, "torchrun MASTER_ADDR"),
+    _v("SLURM_NODELIST", "older name of SLURM_JOB_NODELIST", "sbatch, salloc, srun", _CLUSTER,
+       "torchrun MASTER_ADDR"),
+    _v("SLURM_NTASKS_PER_NODE", "tasks per node, when --ntasks-per-node was given", "srun",
+       _CLUSTER, "torchrun LOCAL_WORLD_SIZE"),
+    _v("SLURM_STEP_TASKS_PER_NODE", "tasks on each node of the step, e.g. 2(x3),1", "srun",
+       _CLUSTER, "torchrun LOCAL_WORLD_SIZE"),
+    _v("SLURM_TASKS_PER_NODE", "tasks on each node, e.g. 2(x3),1 (used when "
+       "SLURM_STEP_TASKS_PER_NODE is unset)", "sbatch, salloc, srun", _CLUSTER,
+       "torchrun LOCAL_WORLD_SIZE"),
+    _v("SLURM_JOB_ID", "the job's id: the rendezvous port is 20000 + (id mod 10000) when "
+       "MASTER_PORT is unset", "sbatch, salloc, srun", _CLUSTER, "torchrun MASTER_PORT"),
+    _v("OMPI_COMM_WORLD_RANK", "global rank", "Open MPI mpirun", _CLUSTER, "torchrun RANK"),
+    _v("OMPI_COMM_WORLD_SIZE", "number of processes", "Open MPI mpirun", _CLUSTER,
+       "torchrun WORLD_SIZE"),
+    _v("OMPI_COMM_WORLD_LOCAL_RANK", "rank on this node", "Open MPI mpirun", _CLUSTER,
+       "torchrun LOCAL_RANK"),
+    _v("OMPI_COMM_WORLD_LOCAL_SIZE", "processes on this node", "Open MPI mpirun", _CLUSTER,
+       "torchrun LOCAL_WORLD_SIZE"),
+    _v("PMI_RANK", "global rank", "MPICH / Intel MPI mpirun (Hydra)", _CLUSTER, "torchrun RANK"),
+    _v("PMI_SIZE", "number of processes", "MPICH / Intel MPI mpirun (Hydra)", _CLUSTER,
+       "torchrun WORLD_SIZE"),
+    _v("MPI_LOCALRANKID", "rank on this node", "MPICH / Intel MPI mpirun (Hydra)", _CLUSTER,
+       "torchrun LOCAL_RANK"),
+    _v("MPI_LOCALNRANKS", "processes on this node", "MPICH / Intel MPI mpirun (Hydra)",
+       _CLUSTER, "torchrun LOCAL_WORLD_SIZE"),
     # --- parameter server -----------------------------------------------------------------------
     _v("TRAINING_ROLE", "PS role of this process: TRAINER, PSERVER or HETER_TRAINER (a heter "
        "worker, docs/heter.md)", "fleetrun (PS)", _ROLE, "none (TF: TF_CONFIG task type)"),

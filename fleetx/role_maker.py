@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Mapping, Optional
 
-from fleetx import env
+from fleetx import clusters, env
 
 __all__ = ["Role", "RoleMakerBase", "PaddleCloudRoleMaker", "UserDefinedRoleMaker"]
 
@@ -48,6 +48,7 @@ class RoleMakerBase:
         self._local_rank = 0
         self._local_world_size = 1
         self._non_distributed = False
+        self._master: Optional[tuple] = None
         self._generated = False
 
     # -- resolution ---------------------------------------------------------------------------
@@ -110,6 +111,13 @@ class RoleMakerBase:
     def _get_local_device_ids(self) -> Optional[str]:
         return None
 
+    def _get_master(self) -> Optional[tuple]:
+        """``(host, port)`` of the rendezvous store when the role maker found it (a Slurm or MPI
+        launch, ``fleetx.clusters``); None: ``MASTER_ADDR`` / ``MASTER_PORT`` or the first
+        trainer endpoint say it."""
+        self._ensure()
+        return self._master
+
     def _get_world_device_ids(self) -> Optional[str]:
         return None
 
@@ -168,6 +176,14 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     ``PADDLE_RANK_IN_NODE`` and torchrun's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; when both
     are present they must agree. With neither, the script is a 1-process job.
 
+    Started by Slurm's ``srun`` or an MPI ``mpirun`` (``SLURM_PROCID``, ``OMPI_COMM_WORLD_RANK``,
+    ``PMI_RANK``...; :mod:`fleetx.clusters`), a collective process needs no other variable: its
+    variables give the rank, world and local rank, and the rendezvous is at the first node of
+    ``SLURM_NODELIST`` (or ``MASTER_ADDR``). fleetrun's and torchrun's variables come first: when
+    they give the world, Slurm's / MPI's are only checked against them, if they describe the same
+    world (equal size, no elastic agent between): the ranks must then agree. See
+    ``docs/clusters.md``.
+
     A single endpoint with no rank variable is rank 0, as in Paddle. ``PADDLE_TRAINERS_NUM``
     gives the world size only when neither ``PADDLE_TRAINER_ENDPOINTS`` nor ``WORLD_SIZE`` is
     set (Paddle ignores it in collective mode).
@@ -222,6 +238,10 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         rank = env.get_int("RANK", None, e)
         self._role = Role.WORKER
         world = self._agreed_world(endpoints)
+        cluster = clusters.detect(e) if world is None else self._same_cluster(world)
+        if world is None and cluster is not None:
+            self._cluster_role(cluster, paddle_id, rank)
+            return
         if world is None:
             if rank or paddle_id:  # a rank > 0 without a world is a broken launch, not a job
                 name = "RANK" if rank else "PADDLE_TRAINER_ID"
@@ -234,6 +254,8 @@ class PaddleCloudRoleMaker(RoleMakerBase):
             return
         self._num_workers = world
         self._current_id = self._agreed_rank(paddle_id, rank, world)
+        if cluster is not None:  # the same world told twice: it must be the same rank
+            self._agree_with_cluster(cluster, paddle_id, rank)
         if not 0 <= self._current_id < self._num_workers:
             raise env.EnvError(f"rank {self._current_id} (RANK / PADDLE_TRAINER_ID) is outside "
                                f"[0, {self._num_workers}) given by the world size")
@@ -244,6 +266,46 @@ class PaddleCloudRoleMaker(RoleMakerBase):
                                     and self._local_rank >= self._local_world_size):
             raise env.EnvError(f"LOCAL_RANK={self._local_rank} is outside [0, "
                                f"{self._local_world_size}) given by LOCAL_WORLD_SIZE")
+
+    def _same_cluster(self, world: int) -> Optional[clusters.ClusterLaunch]:
+        """A Slurm / MPI launch that describes the world fleetrun's or torchrun's variables
+        give, so that the two must agree; None when there is none, or when it describes
+        another world: ``srun fleetrun ...`` / ``srun torchrun ...`` start one launcher per node,
+        whose processes inherit Slurm's variables for the launchers, and an elastic agent
+        between (``TORCHELASTIC_RESTART_COUNT`` set) numbers the ranks itself."""
+        if env.is_set("TORCHELASTIC_RESTART_COUNT", self._env):
+            return None
+        cluster = clusters.detect(self._env, with_master=False)
+        return cluster if cluster is not None and cluster.world_size == world else None
+
+    def _cluster_role(self, cluster: clusters.ClusterLaunch, paddle_id: Optional[int],
+                      rank: Optional[int]) -> None:
+        """The role from a Slurm or MPI launch alone (no fleetrun / torchrun world given)."""
+        self._agree_with_cluster(cluster, paddle_id, rank)
+        self._num_workers, self._current_id = cluster.world_size, cluster.rank
+        self._master = cluster.master
+        self._local_rank = cluster.local_rank
+        self._local_world_size = (cluster.local_world_size
+                                  or env.get_int("LOCAL_WORLD_SIZE", None, self._env) or 1)
+        # As under torchrun, an unknown local size is 1 and not checked (the launcher checked
+        # its own; only LOCAL_WORLD_SIZE given by hand can contradict it).
+        if cluster.local_world_size is None and env.is_set("LOCAL_WORLD_SIZE", self._env) \
+                and self._local_rank >= self._local_world_size:
+            raise env.EnvError(f"{cluster.describe('local_rank')} is outside [0, "
+                               f"{self._local_world_size}) given by LOCAL_WORLD_SIZE")
+
+    def _agree_with_cluster(self, cluster: clusters.ClusterLaunch, paddle_id: Optional[int],
+                            rank: Optional[int]) -> None:
+        """fleetrun's / torchrun's rank variables, where set, name the cluster's rank."""
+        e = self._env
+        for name, value, what in (
+                ("PADDLE_TRAINER_ID", paddle_id, "rank"), ("RANK", rank, "rank"),
+                ("LOCAL_RANK", env.get_int("LOCAL_RANK", None, e), "local_rank"),
+                ("PADDLE_RANK_IN_NODE", env.get_int("PADDLE_RANK_IN_NODE", None, e),
+                 "local_rank")):
+            if value is not None and value != getattr(cluster, what):
+                raise env.EnvError(f"{name}={value} disagrees with {cluster.describe(what)} "
+                                   f"({cluster.launcher} started this process)")
 
     def _get_local_device_ids(self) -> Optional[str]:
         """``PADDLE_LOCAL_DEVICE_IDS`` as the launcher wrote it (None when unset)."""
@@ -318,8 +380,10 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     def _ps_role(self) -> None:
         e = self._env
         servers = env.get_list("PADDLE_PSERVERS_IP_PORT_LIST", e)
-        if not servers and any(env.is_set(name, e) for name in _COLLECTIVE_LAUNCH):
-            # A collective launcher (fleetrun --nproc_per_node, torchrun) started this process
+        if not servers and (any(env.is_set(name, e) for name in _COLLECTIVE_LAUNCH)
+                            or _cluster_job(e)):
+            # A collective launcher (fleetrun --nproc_per_node, torchrun, srun, mpirun) started
+            # this process
             # and there are no servers: the script meant the collective job. Paddle would run
             # each process as its own one-process job, all of them "rank 0", training apart and
             # saving over each other; fleetx joins the job instead.
@@ -457,6 +521,12 @@ class UserDefinedRoleMaker(RoleMakerBase):
         if current_id >= limit:
             raise ValueError(f"current_id={current_id} is outside [0, {limit}) for role "
                              f"{role.name}")
+
+
+def _cluster_job(e: Optional[Mapping[str, str]]) -> bool:
+    """Slurm or MPI started this process among several (``fleetx.clusters``)."""
+    cluster = clusters.detect(e, with_master=False)
+    return cluster is not None and cluster.world_size > 1
 
 
 def _endpoint_list(name: str, value: Any) -> list[str]:

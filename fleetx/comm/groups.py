@@ -52,10 +52,13 @@ def pick_backend(requested: Optional[str] = None) -> str:
     return requested
 
 
-def _master_address(endpoints: Sequence[str]) -> tuple[str, int]:
+def _master_address(endpoints: Sequence[str],
+                    master: Optional[tuple] = None) -> tuple[str, int]:
     addr, port = env.get("MASTER_ADDR"), env.get_int("MASTER_PORT")
     if addr and port:
         return addr, port
+    if master:  # found by the role maker (a Slurm or MPI launch)
+        return master[0], int(master[1])
     if not endpoints:
         raise env.EnvError("cannot find the rendezvous: set MASTER_ADDR and MASTER_PORT, or "
                            "PADDLE_TRAINER_ENDPOINTS")
@@ -95,8 +98,12 @@ class ProcessGroups:
 
     @classmethod
     def join(cls, rank: int, world_size: int, endpoints: Sequence[str] = (),
-             backend: Optional[str] = None, timeout: Optional[float] = None) -> "ProcessGroups":
+             backend: Optional[str] = None, timeout: Optional[float] = None,
+             master: Optional[tuple] = None) -> "ProcessGroups":
         """Rendezvous with every peer and create the process groups.
+
+        The store is at ``MASTER_ADDR:MASTER_PORT`` when both are set, else at ``master``
+        (``(host, port)``, e.g. the first node of a Slurm job), else at the first endpoint.
 
         If the script already created the default process group itself, it is reused (its rank
         and size must match the role) and only the gloo side group is added.
@@ -110,7 +117,7 @@ class ProcessGroups:
         if dist.is_initialized():
             return cls._adopt(rank, world_size, endpoints, timeout)
         backend = pick_backend(backend)
-        addr, port = _master_address(endpoints)
+        addr, port = _master_address(endpoints, master)
         agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
         store = _connect_store(addr, port, rank, world_size, timeout, agent_store)
         # An elastic restart reuses the agent's store: keep each attempt's keys apart.

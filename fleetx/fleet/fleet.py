@@ -164,7 +164,8 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
                              "plan; a dry run stops before any communication")
         if self._comm is None:
             self._comm = ProcessGroups.join(rm._worker_index(), rm._worker_num(),
-                                           rm._get_trainer_endpoints(), backend=self._backend)
+                                           rm._get_trainer_endpoints(), backend=self._backend,
+                                           master=rm._get_master())
             atexit.register(self._shutdown)
             if not rm._get_trainer_endpoints():
                 rm._set_trainer_endpoints(self._comm.endpoints)
