@@ -199,14 +199,14 @@ def _launch(launcher: str, names: tuple, local_size_name: Optional[str], master_
     return ClusterLaunch(launcher, rank, world, local, local_size, master, names)
 
 
-def _mpi_master(launcher: str, flag: str):
+def _mpi_master(launcher: str, flag: str, sep: str):
     def master(e: Optional[Mapping[str, str]]) -> tuple:
         addr = env.get("MASTER_ADDR", None, e)
         if addr is None:
             raise env.EnvError(
                 f"{launcher} started this process in a job of several, but MASTER_ADDR is not "
                 f"set: MPI does not say where rank 0 runs. Pass the address of rank 0's host, "
-                f"e.g. `mpirun {flag} MASTER_ADDR=$(hostname) ...` (MASTER_PORT too, default "
+                f"e.g. `mpirun {flag}MASTER_ADDR{sep}$(hostname) ...` (MASTER_PORT too, default "
                 f"{DEFAULT_MASTER_PORT})")
         return addr, _checked_port(env.get_int("MASTER_PORT", DEFAULT_MASTER_PORT, e))
     return master
@@ -215,13 +215,13 @@ def _mpi_master(launcher: str, flag: str):
 def _open_mpi(e: Optional[Mapping[str, str]], with_master: bool) -> Optional[ClusterLaunch]:
     return _launch("Open MPI", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                                 "OMPI_COMM_WORLD_LOCAL_RANK"), "OMPI_COMM_WORLD_LOCAL_SIZE",
-                   _mpi_master("Open MPI's mpirun", "-x"), e, with_master)
+                   _mpi_master("Open MPI's mpirun", "-x ", "="), e, with_master)
 
 
 def _mpich(e: Optional[Mapping[str, str]], with_master: bool) -> Optional[ClusterLaunch]:
     # MPICH's and Intel MPI's Hydra launcher (mpiexec / mpirun).
     return _launch("MPICH", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"), "MPI_LOCALNRANKS",
-                   _mpi_master("MPICH's mpirun", "-genv"), e, with_master)
+                   _mpi_master("MPICH's mpirun", "-genv ", " "), e, with_master)
 
 
 def _slurm(e: Optional[Mapping[str, str]], with_master: bool) -> Optional[ClusterLaunch]:

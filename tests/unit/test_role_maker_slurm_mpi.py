@@ -173,7 +173,7 @@ def test_mpi_one_process_needs_no_master():
     ({**OMPI, "MASTER_ADDR": ""}, "Open MPI's mpirun started this process in a job of several, "
                                   "but MASTER_ADDR is not set"),
     ({**OMPI, "MASTER_ADDR": ""}, "mpirun -x MASTER_ADDR=$(hostname)"),
-    ({**MPICH, "MASTER_ADDR": ""}, "mpirun -genv MASTER_ADDR=$(hostname)"),
+    ({**MPICH, "MASTER_ADDR": ""}, "mpirun -genv MASTER_ADDR $(hostname)"),
     ({**OMPI, "OMPI_COMM_WORLD_RANK": "2"},
      "OMPI_COMM_WORLD_RANK=2 is outside [0, 2) given by OMPI_COMM_WORLD_SIZE=2"),
     ({**OMPI, "OMPI_COMM_WORLD_LOCAL_RANK": "2"},
