@@ -216,7 +216,7 @@ _VARS = [
        "communication", "fleetrun --dry-run", "fleet", "none"),
     _v("FLEETX_TTY", "1 when fleetrun's own stdout is a terminal, else 0: rank 0's (worker 0's) "
        "output is shown there live, so its progress bar may redraw with carriage returns",
-       "fleetrun", "user scripts", "none"),
+       "fleetrun", "user scripts, fleet.observe (draws its bar)", "none"),
     _v("CUDA_VISIBLE_DEVICES", "GPUs this process may use", "fleetrun --gpus, user",
        "torch", "same everywhere"),
     _v("OMP_NUM_THREADS", "intra-op threads per process (fleetrun sets 1 when it starts several "

@@ -76,6 +76,7 @@ rank_in_node = _fleet.rank_in_node
 distributed_model = _fleet.distributed_model
 distributed_optimizer = _fleet.distributed_optimizer
 explain = _fleet.explain
+observe = _fleet.observe
 save_checkpoint = _fleet.save_checkpoint
 load_checkpoint = _fleet.load_checkpoint
 auto_checkpoint = _fleet.auto_checkpoint
@@ -142,7 +143,7 @@ __all__ = [
     "world_device_ids", "is_worker", "is_server", "server_num", "server_index",
     "worker_endpoints", "server_endpoints", "barrier_worker", "rank", "nranks", "world_size",
     "rank_in_node", "distributed_model", "distributed_optimizer", "explain", "state_bytes",
-    "applied_strategies",
+    "applied_strategies", "observe",
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
     "init_worker", "init_server", "run_server", "stop_worker", "save_persistables", "prefetch",
     "save_inference_model", "shrink", "table_stats", "print_table_stat", "save_checkpoint",

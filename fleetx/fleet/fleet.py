@@ -324,6 +324,13 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._track_steps(self._dist_optimizer)
         return self._dist_optimizer
 
+    def observe(self, **options: Any) -> Any:
+        """A progress bar (worker 0) and per-rank scalars for this process's training loop
+        (:func:`fleetx.fleet.observing.observe` lists the options; ``docs/observability.md``)."""
+        from fleetx.fleet.observing import observe
+
+        return observe(self, **options)
+
     def explain(self, file: Any = None) -> Plan:
         """Print (and return) the plan: which strategies apply, in what order, and why not.
 

@@ -73,14 +73,22 @@ class _Agent(LocalElasticAgent):
     """torch's agent, plus one line whenever it restarts the worker group, saying why."""
 
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, say: Callable[[str], None],
-                 log_of: Callable[[int], str], log_dir: str, **options) -> None:
+                 log_of: Callable[[int], str], log_dir: str, watch=None, **options) -> None:
         super().__init__(spec, logs_specs, **options)
+        self._watch = watch  # a summary.ProcessWatch, told of every poll
         self._say, self._log_of, self._log_dir = say, log_of, log_dir
         self._last: Optional[RunResult] = None
         self._restarts = 0
 
     def _monitor_workers(self, worker_group) -> RunResult:
         self._last = super()._monitor_workers(worker_group)
+        if self._watch is not None:
+            failed = self._last.failures
+            done = self._last.state.name == "SUCCEEDED"
+            for w in worker_group.workers:
+                code = failed[w.global_rank].exitcode if w.global_rank in failed else \
+                    (0 if done else None)
+                self._watch.poll(("trainer", w.global_rank), w.id, code)
         return self._last
 
     def _restart_workers(self, worker_group) -> None:
@@ -125,9 +133,11 @@ def agent_options(grace_seconds: int, accepted: Optional[Sequence[str]] = None) 
 
 def run_agent(handler: RendezvousHandler, nproc: int, entrypoint: str, args: Sequence[str], *,
               max_restarts: int, local_addr: str, log_dir: str, log_of: Callable[[int], str],
-              grace_seconds: int, say: Callable[[str], None] = _say) -> RunResult:
+              grace_seconds: int, say: Callable[[str], None] = _say,
+              watch=None) -> RunResult:
     """Start ``nproc`` processes of ``entrypoint args`` after the rendezvous, watch them, restart
     the group up to ``max_restarts`` times after a failure; returns the final result.
+    ``watch`` (a :class:`~fleetx.launch.summary.ProcessWatch`) is told of every poll.
 
     Raises:
         torch.distributed.elastic.multiprocessing.SignalException: fleetrun got SIGTERM/SIGINT
@@ -137,7 +147,7 @@ def run_agent(handler: RendezvousHandler, nproc: int, entrypoint: str, args: Seq
     spec = WorkerSpec(role="trainer", local_world_size=nproc, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler, max_restarts=max_restarts,
                       monitor_interval=_MONITOR_SECONDS, local_addr=local_addr)
-    agent = _Agent(spec, _InheritedStreams(log_dir), say, log_of, log_dir,
+    agent = _Agent(spec, _InheritedStreams(log_dir), say, log_of, log_dir, watch,
                    **agent_options(grace_seconds))
     shutdown = True
     try:

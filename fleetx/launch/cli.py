@@ -36,7 +36,8 @@ examples:
   fleetrun --nproc_per_node 4 --log_ranks 0,3 t.py    show ranks 0 and 3 here ([rank N] lines)
   fleetrun --ips 10.0.0.1,10.0.0.2 --gpus 0,1 t.py    two nodes: the same command on each
   fleetrun --server_num 2 --worker_num 2 train.py     parameter servers and workers
-  fleetrun --dry-run --nproc_per_node 8 train.py      print the strategy plan, run nothing"""
+  fleetrun --dry-run --nproc_per_node 8 train.py      print the strategy plan, run nothing
+  fleetrun --plot runs/exp1 [--out f.png]             plot fleet.observe's scalars (a PNG)"""
 
 #: fleetrun's exit codes and what each means (``--help`` and ``docs/launch.md`` list them).
 EXIT_CODES = (
@@ -151,8 +152,13 @@ def flags_markdown() -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``fleetrun``: parse, print the configuration, launch; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--plot"]:  # not a job: python -m fleetx.plot's command line
+        from fleetx import plot
+
+        return plot.main(args[1:])
     parser = build_parser()
-    config = parse_config(argv, parser)
+    config = parse_config(args, parser)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # rank 0's output is interleaved live
     print(banner.configuration_banner(config.arguments()), flush=True)

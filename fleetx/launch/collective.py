@@ -20,7 +20,7 @@ import sys
 from typing import NoReturn
 
 from fleetx import env
-from fleetx.launch import bootstrap, hosts, logs, script
+from fleetx.launch import bootstrap, hosts, logs, script, summary
 from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError, LaunchError
 # The decisions live in collective_plan.py; plan and CollectivePlan are re-exported from here.
 from fleetx.launch.collective_plan import DEFAULT_MASTER_PORT, CollectivePlan, plan
@@ -126,6 +126,7 @@ def run(p: CollectivePlan) -> int:
     followers = []
     args = ("-u", "-m", "fleetx.launch.bootstrap", p.setup.to_json(), p.script, *p.script_args)
     result, stopped_by = None, None
+    watch = summary.ProcessWatch()
     try:
         shown = p.shown_here()
         for rank in shown:
@@ -136,12 +137,13 @@ def run(p: CollectivePlan) -> int:
             handler, p.nproc, sys.executable, args, max_restarts=p.max_restarts,
             local_addr=p.setup.own_addr, log_dir=p.setup.log_dir,
             log_of=lambda rank: logs.worker_log(p.setup.log_dir, rank),
-            grace_seconds=_GRACE_SECONDS)
+            grace_seconds=_GRACE_SECONDS, watch=watch)
     except SignalException as exc:
         stopped_by = signal.Signals(exc.sigval)
     finally:
         for follower in followers:
             follower.stop()
+        print(summary.format_table(watch.rows(p.setup.log_dir)), file=sys.stderr, flush=True)
     if result is not None and result.is_failed():
         _report_failure(p, result.failures)
         return EXIT_FAILED

@@ -32,9 +32,10 @@ __all__ = ["describe_exit", "prepare_dir", "worker_log", "endpoints_log", "write
 EARLIER_DIR = "earlier"
 #: How many earlier jobs' folders are kept; older ones are removed (with a notice).
 KEEP_EARLIER = 5
-# Every file a job writes in the log folder (fault.N.json: fleetx.comm's blame reports).
+# Every file a job writes in the log folder (fault.N.json: fleetx.comm's blame reports;
+# throughput.N: fleet.observe's samples/s for the end-of-job summary).
 _JOB_FILE = re.compile(r"^(workerlog\.\d+|serverlog\.\d+|heterlog\.\d+|endpoints\.log|"
-                       r"fault\.\d+\.json|progress\.\d+)$")
+                       r"fault\.\d+\.json|progress\.\d+|throughput\.\d+)$")
 
 
 def prepare_dir(log_dir: str) -> None:

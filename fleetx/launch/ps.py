@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Optional
 
 from fleetx import env
-from fleetx.launch import banner, hosts, logs, script
+from fleetx.launch import banner, hosts, logs, script, summary
 from fleetx.launch.api import EXIT_FAILED, EXIT_OK, ConfigError, LaunchError
 from fleetx.launch.config import LaunchConfig
 
@@ -309,6 +309,7 @@ class _Job:
         self.plan = p
         self.procs: dict[PSProcess, subprocess.Popen] = {}
         self.restarts: dict[PSProcess, int] = {}
+        self.watch = summary.ProcessWatch()
 
     def start(self) -> None:
         for proc in self.plan.local:  # from the main thread: PDEATHSIG follows the thread
@@ -329,6 +330,7 @@ class _Job:
              self.plan.script, *self.plan.script_args],
             env=child, stdin=subprocess.DEVNULL, start_new_session=True)
         self.restarts[proc] = restart
+        self.watch.started((proc.role, proc.index), self.procs[proc].pid)
         print(f"launch {proc.role} proc_id:{self.procs[proc].pid} idx:{proc.index}"
               + (f" (restart {restart} of {self.plan.max_restarts})" if restart else ""),
               flush=True)
@@ -351,7 +353,10 @@ class _Job:
         self._spawn(proc, restart)
 
     def codes(self) -> dict[PSProcess, Optional[int]]:
-        return {proc: p.poll() for proc, p in self.procs.items()}
+        codes = {proc: p.poll() for proc, p in self.procs.items()}
+        for proc, code in codes.items():  # wall time and peak RSS for the summary
+            self.watch.poll((proc.role, proc.index), self.procs[proc].pid, code)
+        return codes
 
     def stop(self, which=None) -> None:
         """SIGTERM the process groups, then SIGKILL what is left after the grace period."""
@@ -470,10 +475,12 @@ def run(p: PSPlan) -> int:
         code = _watch(job, stop_requested)
     finally:
         job.stop()
+        job.codes()  # the exit status of those stopped just now
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for follower in followers:
             follower.stop()
+        print(summary.format_table(job.watch.rows(p.log_dir)), file=sys.stderr, flush=True)
     if code == EXIT_OK:
         if any(proc.role == "heter" for proc in p.local):
             print("all heter_worker are killed", file=sys.stderr, flush=True)

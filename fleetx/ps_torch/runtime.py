@@ -222,6 +222,14 @@ class PSRuntime(TableCalls):
             self.init_server(dirname)
         self._inference = True
 
+    def latency_ms(self, kind: str, quantile: str) -> Optional[float]:
+        """A quantile (``"p50"``, ``"p99"``) of this worker's ``kind`` requests (``"PULL"``,
+        ``"PUSH"``) to the servers so far, in ms (:meth:`fleetx.ps.client.KVClient.latency`);
+        None before any such request, or without servers."""
+        client = getattr(getattr(self._session, "comm", None), "client", None)
+        summary = client.latency().get(kind) if client is not None else None
+        return summary[quantile] * 1e3 if summary and summary.get("count") else None
+
     def stop_worker(self) -> None:
         """Send what is queued, tell the servers this worker is done, disconnect."""
         if self._session is not None and not getattr(self._session, "stopped", False):

@@ -26,6 +26,7 @@ device ``heter_worker_device_guard`` names; async, or sync (lock-step) with one 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from dataclasses import dataclass
 from typing import Optional
 
@@ -193,6 +194,9 @@ class ParameterServerStrategy(Strategy):
             comm=_communicator(cfg), log_interval=_log_interval(world),
             heter_device=guard if heter else None)
         ctx.runtime = runtime
+        for kind in ("pull", "push"):
+            for q in ("p50", "p99"):
+                ctx.scalars[f"ps_{kind}_{q}_ms"] = partial(runtime.latency_ms, kind.upper(), q)
         ctx.optimizer = runtime.optimizer
         ctx.forward_contexts.append(runtime.forward_scope)
         ctx.model_wrappers.append(runtime.wrap_model)

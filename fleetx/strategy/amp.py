@@ -191,6 +191,7 @@ class AmpStrategy(Strategy):
         ctx.step_guards.append(check.guard)
         ctx.after_step.append(check.after_step)
         ctx.optimizer_methods["get_loss_scaling"] = lambda: scaler.scale
+        ctx.scalars["loss_scale"] = lambda: float(scaler.scale)
 
 
 class _InfCheck:

@@ -89,6 +89,9 @@ class TrainingContext:
     * ``optimizer_methods``: extra methods of the optimizer wrapper, by name (Paddle's
       ``get_loss_scaling`` for example).
     * ``state``: per-strategy state, keyed by strategy name (saved with the optimizer).
+    * ``scalars``: ``fn() -> float | None`` by column name of :data:`fleetx.observe.COLUMNS`
+      (``loss_scale``, ``dgc_sparsity``, ``ps_pull_p50_ms``...): what ``fleet.observe`` logs
+      besides the loss; read only on logged steps.
     * ``runtime``: an object serving ``init_worker`` / ``init_server`` / ``run_server`` /
       ``stop_worker`` / ``save_persistables`` (the parameter-server strategy installs one).
     * ``first_batch``: ``fn(args, kwargs) -> None`` run once, with the inputs of the first
@@ -120,6 +123,7 @@ class TrainingContext:
         self.lr_listeners: list[Callable[[float], None]] = []
         self.optimizer_methods: dict[str, Callable[..., Any]] = {}
         self.state: dict[str, Any] = {}
+        self.scalars: dict[str, Callable[[], Optional[float]]] = {}
         self.runtime: Any = None
         self.first_batch: list[Callable[[tuple, dict], None]] = []
         self.trial: Optional[Callable[[Any, tuple, dict], Any]] = None

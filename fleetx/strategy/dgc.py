@@ -338,3 +338,5 @@ class DGCStrategy(Strategy):
         ctx.state[self.name] = state
         ctx.optimizer = DGCMomentumOptimizer(ctx.optimizer, state)
         ctx.comm_hooks.append((None, DGCCodec(state)))
+        # the sparsity of the next exchange; 0 while the gradients are not compressed yet
+        ctx.scalars["dgc_sparsity"] = lambda: sparsity_at(state.step, state.cfg) or 0.0
