@@ -143,7 +143,18 @@ _VARS = [
        "workers)", _ROLE, "none"),
     _v("PADDLE_PSERVERS_IP_PORT_LIST", "comma list ip:port of every server", "fleetrun (PS)",
        _ROLE, "none (TF: TF_CONFIG cluster.ps)"),
-    _v("POD_IP", "IP of this process's host", "fleetrun (PS)", _ROLE, "Kubernetes downward API"),
+    _v("POD_IP", "IP of this process's host (in the manifests of fleetrun --k8s: the pod's DNS "
+       "name, <job>-<index>.<service>.<namespace>.svc)", "fleetrun (PS), fleetrun --k8s", _ROLE,
+       "Kubernetes downward API"),
+    _v("POD_NAME", "this pod's name, from the downward API (metadata.name): in the PyTorchJob of "
+       "fleetrun --k8s each pod passes it to fleetrun as --host, the name by which the other pods "
+       "reach it", "Kubernetes (fleetrun --k8s manifests)", "Kubernetes $(...) expansion of the "
+       "pod's command", "Kubeflow: pod <job>-<type>-<index>"),
+    _v("JOB_COMPLETION_INDEX", "this pod's index in its indexed Job (the downward API reads the "
+       "batch.kubernetes.io/job-completion-index annotation): the parameter-server manifests of "
+       "fleetrun --k8s build POD_IP and PADDLE_TRAINER_ID from it", "Kubernetes (indexed Job; "
+       "fleetrun --k8s manifests)", "Kubernetes $(...) expansion of the pod's variables",
+       "Slurm SLURM_PROCID (per role)"),
     _v("PADDLE_PORT", "port of this process (servers and heter workers listen on it)",
        "fleetrun (PS)", _ROLE, "none"),
     # --- fleetx's own ----------------------------------------------------------------------------

@@ -32,6 +32,10 @@ def launch(config: LaunchConfig) -> int:
         ConfigError: the flags cannot be served on this node.
         LaunchError: the job could not be started (e.g. its mode is not available).
     """
+    if config.k8s:  # manifests for the job, printed; nothing runs here
+        from fleetx.launch import k8s
+
+        return k8s.launch(config)
     if config.resolved_mode() is RunMode.PS:
         from fleetx.launch import ps  # imports torch only when a job really starts
 

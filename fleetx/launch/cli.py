@@ -37,6 +37,8 @@ examples:
   fleetrun --ips 10.0.0.1,10.0.0.2 --gpus 0,1 t.py    two nodes: the same command on each
   fleetrun --server_num 2 --worker_num 2 train.py     parameter servers and workers
   fleetrun --dry-run --nproc_per_node 8 train.py      print the strategy plan, run nothing
+  fleetrun --k8s --image IMG --nnodes 2 --gpus 0,1 /app/train.py | kubectl apply -f -
+                                                      the same job as Kubernetes manifests
   fleetrun --plot runs/exp1 [--out f.png]             plot fleet.observe's scalars (a PNG)"""
 
 #: fleetrun's exit codes and what each means (``--help`` and ``docs/launch.md`` list them).
@@ -161,7 +163,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     config = parse_config(args, parser)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # rank 0's output is interleaved live
-    print(banner.configuration_banner(config.arguments()), flush=True)
+    if not config.k8s:  # with --k8s, stdout carries the manifests alone (kubectl apply -f -)
+        print(banner.configuration_banner(config.arguments()), flush=True)
     # Every process inherits it (the elastic agent and the parameter-server controller pass
     # fleetrun's environment on): rank 0 may draw a progress bar although its stdout is a file.
     env.apply({"FLEETX_TTY": "1" if sys.stdout.isatty() else "0"})

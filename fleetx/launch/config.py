@@ -12,15 +12,19 @@ Example:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 from fleetx.launch.api import ConfigError, RunMode
 
-__all__ = ["LaunchConfig", "BACKENDS", "RUN_MODES", "PS_FIELDS"]
+__all__ = ["LaunchConfig", "BACKENDS", "RUN_MODES", "PS_FIELDS", "K8S_FORMATS", "K8S_FIELDS"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 RUN_MODES = tuple(m.value for m in RunMode)
+K8S_FORMATS = ("yaml", "json")
+#: Flags that only mean something with ``--k8s``.
+K8S_FIELDS = ("image", "namespace", "name")
 #: Fields whose presence selects parameter-server mode when ``--run_mode`` is not given.
 PS_FIELDS = ("server_num", "worker_num", "servers", "workers", "heter_worker_num",
              "heter_workers")
@@ -110,6 +114,17 @@ def _node_range(value: Any) -> Optional[str]:
     low, high = int(parts[0]), int(parts[-1])
     if low < 1 or high < low:
         return f"expected 1 <= MIN <= MAX, got {value!r}"
+    return None
+
+
+def _dns_label(value: Any) -> Optional[str]:
+    """A Kubernetes name that may prefix pod host names: an RFC 1035 label of at most 40
+    characters (a pod's host name, ``<name>-worker-<index>``, must stay within 63)."""
+    if value is None:
+        return None
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", str(value)):
+        return (f"{value!r} is not a Kubernetes name: lower-case letters, digits and '-', "
+                f"starting with a letter, not ending with '-', at most 40 characters")
     return None
 
 
@@ -258,6 +273,24 @@ class LaunchConfig:
         "every parameter-server connection must prove it holds it. Give every node's fleetrun "
         "the same file. Without it (and without FLEETX_PS_SECRET / FLEETX_PS_SECRET_FILE) a "
         "single-node job gets a fresh random secret", group="parameter server", metavar="FILE")
+    k8s: bool = _flag(
+        "print Kubernetes manifests for the job the other flags describe, instead of running it "
+        "(a Kubeflow PyTorchJob for a collective job; indexed Jobs, a headless Service and a "
+        "Secret for a parameter-server job; docs/kubernetes.md); pipe them to kubectl apply -f -",
+        False, group="kubernetes", switch=True, parse=lambda s: s)
+    image: Optional[str] = _flag(
+        "with --k8s: the container image every pod runs (fleetx, torch and the script inside)",
+        group="kubernetes", metavar="IMAGE")
+    namespace: Optional[str] = _flag(
+        "with --k8s: the namespace of the manifests and of the pods' DNS names (default: "
+        "default)", group="kubernetes", check=_dns_label, metavar="NS")
+    name: Optional[str] = _flag(
+        "with --k8s: the job's name, which prefixes every object and pod (default: the "
+        "script's name)", group="kubernetes", check=_dns_label, metavar="NAME")
+    k8s_format: str = _flag(
+        "with --k8s: yaml (documents separated by ---; needs pyyaml, the yaml extra) or json "
+        "(one v1 List)", "yaml", group="kubernetes", check=_one_of(K8S_FORMATS),
+        metavar="{" + ",".join(K8S_FORMATS) + "}")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -275,6 +308,19 @@ class LaunchConfig:
             if problem:
                 raise ConfigError(_flag_name(f.name), problem)
         self._check_combination()
+        self._check_k8s()
+
+    def _check_k8s(self) -> None:
+        """The Kubernetes flags need --k8s, and --k8s needs an image; which other flags make
+        sense with --k8s is for ``fleetx.launch.k8s`` to say (it depends on the run mode)."""
+        if not self.k8s:
+            for name in K8S_FIELDS + ("k8s_format",):
+                if getattr(self, name) not in (None, "yaml"):
+                    raise ConfigError(f"--{name}", "only means something with --k8s (which "
+                                                   "prints Kubernetes manifests)")
+        elif not self.image:
+            raise ConfigError("--k8s", "needs --image IMAGE: the container image every pod "
+                                       "runs, holding fleetx, torch and the training script")
 
     def _check_combination(self) -> None:
         if not self.training_script:
@@ -292,7 +338,8 @@ class LaunchConfig:
             raise ConfigError("--nproc_per_node", f"is {self.nproc_per_node} but --gpus lists "
                               f"{len(self.gpus)} GPU(s); fleetrun starts one process per GPU")
         low, high = self.node_range()
-        if low == high and self.nnodes is not None and low != len(self.ips):
+        # with --k8s the pods are the nodes: their names, not --ips, list them
+        if low == high and self.nnodes is not None and low != len(self.ips) and not self.k8s:
             raise ConfigError("--nnodes", f"is {self.nnodes} but --ips lists {len(self.ips)} "
                               f"node(s) ({','.join(self.ips)}); give every node's address")
         if self.host and low == high > 1 and self.host not in self.ips:
