@@ -3,6 +3,7 @@ marker convention); skipped blocks are the ones tests/docs/skipped.txt lists, wi
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,8 @@ def test_cluster_recipe_is_valid_shell(block):
 def test_every_python_block_is_found():
     """The parser sees every ```python fence of the pages (none hidden by indentation)."""
     from doc_blocks import pages
-    fences = sum(p.read_text().count("```python") for p in pages())
+    fences = sum(len(re.findall(r"^[ \t]*```python[ \t]*$", p.read_text(), re.M))
+                 for p in pages())
     assert fences == len(BLOCKS) + sum(len(b.joined) for b in BLOCKS)
 
 
