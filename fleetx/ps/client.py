@@ -414,7 +414,7 @@ class KVClient:
         (:class:`~fleetx.ps.latency.Latencies`, to merge several workers' or subtract an
         earlier copy). A request failover sent again counts from its first send.
 
-        Example:
+        Examples:
             >>> client.latency()["PULL"]["p99"]      # doctest: +SKIP
             0.00213
         """
