@@ -14,9 +14,11 @@ __all__ = ["MissingExtraError", "require", "COLUMNS", "csv_path", "read_scalars"
 
 #: The scalars of one logged step, in CSV column order (an empty cell: not measured there).
 #: ``loss`` is the mean of the losses of the steps since the previous row; ``samples_per_s``
-#: over the same steps; latencies are the PS client's since the start, in milliseconds.
+#: over the same steps; latencies are the PS client's since the start, in milliseconds, and its
+#: traffic to and from the servers since the start, in MB (10^6 bytes of whole frames).
 COLUMNS = ("step", "time", "loss", "samples_per_s", "loss_scale", "dgc_sparsity",
-           "ps_pull_p50_ms", "ps_pull_p99_ms", "ps_push_p50_ms", "ps_push_p99_ms")
+           "ps_pull_p50_ms", "ps_pull_p99_ms", "ps_push_p50_ms", "ps_push_p99_ms",
+           "ps_sent_mb", "ps_received_mb")
 
 
 class MissingExtraError(ImportError):

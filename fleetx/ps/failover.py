@@ -103,6 +103,7 @@ class Failover:
                 return self._give_up(s, name, f"{reason}; failover: the restarted server "
                                               f"refused this worker: {e}")
         with self._locks[s]:
+            self.client._retire(self.client._links[s])
             self.client._links[s] = link
             self.client._heartbeats.add(link)
             again = self.client._tracker.unanswered(s)

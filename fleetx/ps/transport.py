@@ -166,6 +166,7 @@ class Link:
         self.dead_after, self.max_frame_bytes = dead_after, max_frame_bytes
         self._max_queued = max_queued_bytes
         self.last_send = self.last_recv = time.monotonic()
+        self.bytes_sent = self.bytes_received = 0  # whole frames, header and all
         self.peer_info: dict = {}  # filled by the owner (e.g. a worker's rank after HELLO)
         self._out: collections.deque = collections.deque()  # queued mode: unsent byte views
         self._out_bytes = 0
@@ -208,6 +209,7 @@ class Link:
                 self._enqueue(parts)
             else:
                 self._send_blocking(parts)
+            self.bytes_sent += sum(len(p) for p in parts)
 
     def close(self) -> None:
         """End the link on purpose (no ``on_lost`` call)."""
@@ -420,6 +422,7 @@ class Link:
         except ValueError as e:
             raise ProtocolError(f"bad meta or kind: {e}") from None
         deadline += total / _MIN_RATE
+        self.bytes_received += HEADER.size + len(rest) + total  # one receive thread: no lock
         targets = self._allocator(msg, descs) if self._allocator else None
         for i, (dtype, nbytes) in enumerate(descs):
             arr = targets[i] if targets and i < len(targets) else None

@@ -230,6 +230,12 @@ class PSRuntime(TableCalls):
         summary = client.latency().get(kind) if client is not None else None
         return summary[quantile] * 1e3 if summary and summary.get("count") else None
 
+    def traffic_mb(self, direction: str) -> Optional[float]:
+        """MB (10^6 bytes) this worker ``"sent"`` to or ``"received"`` from the servers so far
+        (:meth:`fleetx.ps.client.KVClient.traffic`); None without servers."""
+        client = getattr(getattr(self._session, "comm", None), "client", None)
+        return client.traffic()[direction] / 1e6 if client is not None else None
+
     def stop_worker(self) -> None:
         """Send what is queued, tell the servers this worker is done, disconnect."""
         if self._session is not None and not getattr(self._session, "stopped", False):

@@ -197,6 +197,8 @@ class ParameterServerStrategy(Strategy):
         for kind in ("pull", "push"):
             for q in ("p50", "p99"):
                 ctx.scalars[f"ps_{kind}_{q}_ms"] = partial(runtime.latency_ms, kind.upper(), q)
+        for direction in ("sent", "received"):
+            ctx.scalars[f"ps_{direction}_mb"] = partial(runtime.traffic_mb, direction)
         ctx.optimizer = runtime.optimizer
         ctx.forward_contexts.append(runtime.forward_scope)
         ctx.model_wrappers.append(runtime.wrap_model)

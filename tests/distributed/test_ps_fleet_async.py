@@ -37,3 +37,23 @@ def test_async_with_prefetch_converges(tmp_path):
         assert float(got["eval_after"]) < 0.2 * float(got["eval_before"]), \
             (float(got["eval_before"]), float(got["eval_after"]))
         assert (int(got["prefetch_hits"]), int(got["prefetch_misses"])) == (100, 0)
+
+
+def test_fleet_observe_logs_the_workers_ps_latency_and_traffic(tmp_path):
+    """fleet.observe's scalars of a parameter-server worker: its PULL/PUSH latency quantiles
+    and the bytes it sent to and received from the servers (whole frames, growing with the
+    steps), one CSV row a step."""
+    import csv
+    run_job(tmp_path, 1, 2, "--mode", "async", "--steps", "12", "--lr", "0.1",
+            "--observe", str(tmp_path / "scalars"))
+    for rank in range(2):
+        with open(tmp_path / "scalars" / f"scalars.{rank}.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == 12, rows
+        for name in ("ps_pull_p50_ms", "ps_pull_p99_ms", "ps_push_p50_ms", "ps_push_p99_ms"):
+            assert float(rows[-1][name]) > 0, (name, rows[-1])
+        sent = [float(r["ps_sent_mb"]) for r in rows]
+        received = [float(r["ps_received_mb"]) for r in rows]
+        assert sent == sorted(sent) and received == sorted(received)
+        # every step pulls its rows and the dense weights back: more than 12 frame headers
+        assert received[-1] > received[0] > 0 and sent[-1] > sent[0] > 0

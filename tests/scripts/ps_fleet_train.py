@@ -36,6 +36,7 @@ ap.add_argument("--sleep-rank1", type=float, default=0.0)
 ap.add_argument("--stop-rank1-after", type=int, default=-1)
 ap.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each step")
 ap.add_argument("--prefetch", action="store_true", help="iterate through fleet.prefetch")
+ap.add_argument("--observe", default=None, help="fleet.observe's scalars_dir (every step)")
 args = ap.parse_args()
 
 fleet.init()
@@ -77,12 +78,16 @@ steps = range(args.start, args.start + args.steps)
 batches = ((s, batch(s, rank, nranks)) for s in steps)
 if args.prefetch:  # the next batch's rows travel while this one trains (module or table name)
     batches = fleet.prefetch(batches, lambda b: {model.module.emb: b[1][0], "tags": b[1][1]})
+observer = fleet.observe(every=1, progress=False, tensorboard=False,
+                         scalars_dir=args.observe) if args.observe else None
 for step, data in batches:
     if rank == 1 and step == args.stop_rank1_after:
         break
     loss = loss_of(model, *data)
     opt.minimize(loss)
     losses.append(loss.item())
+    if observer is not None:
+        observer.step(loss, samples=len(data[0]))
     if args.pause:
         print(f"worker {rank} step {step}", flush=True)
         time.sleep(args.pause)
@@ -90,6 +95,8 @@ for step, data in batches:
         at_step, mode, dirname = at.split(":", 2)
         if int(at_step) == step:
             fleet.save_persistables(dirname, mode=int(mode))
+if observer is not None:
+    observer.close()
 backend = getattr(getattr(fleet._fleet._ctx.runtime, "_session", None), "backend", None)
 prefetched = getattr(backend, "prefetched", None)
 hits, misses = (prefetched.hits, prefetched.misses) if prefetched else (0, 0)
