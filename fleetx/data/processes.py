@@ -17,7 +17,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Optional
 
-__all__ = ["start", "stop_tree", "descendants"]
+__all__ = ["start", "stop_tree", "descendants", "kill_descendants"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # looked up once here: the child must not load a library between fork and exec
@@ -76,17 +76,28 @@ def _signal_all(pids: list, sig: int) -> None:
             pass
 
 
+def _kill_tree(root: int, with_root: bool) -> None:
+    """SIGKILL the descendants of ``root`` (and ``root`` itself with ``with_root``), frozen
+    (SIGSTOP) first: a killed parent's children are handed to init at once and could no
+    longer be found."""
+    frozen: set = set()
+    for _ in range(_STOP_ROUNDS):
+        tree = set(([root] if with_root else []) + descendants(root)) - frozen
+        if not tree:
+            break
+        _signal_all(sorted(tree), signal.SIGSTOP)
+        frozen |= tree
+    _signal_all(sorted(frozen), signal.SIGKILL)
+
+
 def stop_tree(process: subprocess.Popen) -> None:
-    """Kill ``process`` and all its descendants, then reap it. The tree is frozen (SIGSTOP)
-    before anything is killed: a killed parent's children are handed to init at once and
-    could no longer be found."""
+    """Kill ``process`` and all its descendants, then reap it."""
     if process.poll() is None:
-        frozen: set = set()
-        for _ in range(_STOP_ROUNDS):
-            tree = set([process.pid] + descendants(process.pid)) - frozen
-            if not tree:
-                break
-            _signal_all(sorted(tree), signal.SIGSTOP)
-            frozen |= tree
-        _signal_all(sorted(frozen), signal.SIGKILL)
+        _kill_tree(process.pid, with_root=True)
     process.wait()
+
+
+def kill_descendants() -> None:
+    """Kill every descendant of this process (its commands and theirs), not itself: what a
+    process stopped by a signal does before it exits, without unwinding."""
+    _kill_tree(os.getpid(), with_root=False)

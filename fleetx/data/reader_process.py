@@ -16,6 +16,7 @@ Protocol, over the process's stdin and stdout:
 from __future__ import annotations
 
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -88,8 +89,10 @@ def main() -> None:
                           config["chunk_bytes"], config["parser"], config["timeout"])
     out = sys.stdout.buffer
     sys.stdout = sys.stderr  # only frames may reach the dataset
-    # stopped by the dataset: unwind, so that the file being read has its commands killed
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # stopped by the dataset: the commands of the file being read die with this process. Not
+    # by unwinding (sys.exit): at exit the interpreter flushes stdout, which blocks for good
+    # on a pipe nobody reads any more, and the commands would outlive the stop
+    signal.signal(signal.SIGTERM, _stopped)
 
     def frame(kind: int, index: int, value: int, payload: Any = b"") -> None:
         data = memoryview(payload).cast("B") if len(payload) else b""
@@ -106,9 +109,15 @@ def main() -> None:
             frame(_ERROR, index, 0, _error_payload(exc))
 
 
+def _stopped(*_: Any) -> None:
+    """SIGTERM in a reader process: kill its pipe commands, then exit at once."""
+    processes.kill_descendants()
+    os._exit(128 + signal.SIGTERM)
+
+
 def _ask_to_stop(child: subprocess.Popen) -> None:
     if child.poll() is None:
-        child.terminate()  # it kills its pipe commands on the way out
+        child.terminate()  # it kills its pipe commands and exits
 
 
 def _stop(child: subprocess.Popen) -> None:
