@@ -125,6 +125,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     strategy.a_sync = args.mode != "sync"
     if args.mode == "geo":
         strategy.a_sync_configs = {"k_steps": args.k_steps}
+    elif args.recv_every > 1:
+        strategy.a_sync_configs = {"independent_recv_thread": True,
+                                   "min_send_grad_num_before_recv": args.recv_every}
     model = fleet.distributed_model(pc.CTRModel(make_embedding(args.table, args.sparse_rule)))
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=pc.LR), strategy)
     if fleet.is_server():
@@ -190,8 +193,8 @@ def run_job(args: argparse.Namespace, transport: str) -> dict:
     train = [str(HERE / "ps_ctr.py"), "train", "--mode", args.mode, "--k-steps",
              str(args.k_steps), "--data", os.path.abspath(args.data), "--epochs",
              str(args.epochs), "--batch", str(args.batch), "--table", args.table,
-             "--sparse-rule", args.sparse_rule, "--result", result, "--quiet"] + \
-        ([] if args.prefetch else ["--no-prefetch"])
+             "--sparse-rule", args.sparse_rule, "--recv-every", str(args.recv_every),
+             "--result", result, "--quiet"] + ([] if args.prefetch else ["--no-prefetch"])
     cmd = [sys.executable, "-m", "fleetx.launch", "--server_num", str(args.servers),
            "--worker_num", str(args.workers), "--log_dir", log_dir] + train
     os.makedirs(log_dir)
@@ -202,7 +205,9 @@ def run_job(args: argparse.Namespace, transport: str) -> dict:
     out = {"bench": f"fleetx_ps_{args.mode}" + ("_adam" if args.sparse_rule == "adam" else ""),
            "servers": args.servers, "workers": args.workers, "table": args.table,
            "sparse_rule": args.sparse_rule, "k_steps": args.k_steps if args.mode == "geo" else None,
-           "transport": transport, "batch": args.batch, "rc": rc, "job_wall_s": round(time.perf_counter() - t0, 1),
+           "recv_every": args.recv_every if args.mode == "async" else None,
+           "transport": transport, "batch": args.batch, "rc": rc,
+           "job_wall_s": round(time.perf_counter() - t0, 1),
            "workers_reported": len(rows)}
     servers = [json.load(open(p)) for p in sorted(Path(tmp).glob("result.jsonl.server*"))]
     if len(rows) == args.workers:
@@ -533,6 +538,10 @@ def main() -> None:
                        help="the table's server rule (adam: as Paddle's async applies)")
         p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                        help="iterate the batches directly, not through fleet.prefetch")
+        p.add_argument("--recv-every", type=int, default=1,
+                       help="async: the dense weights come back every N pushes "
+                            "(a_sync_configs independent_recv_thread + "
+                            "min_send_grad_num_before_recv); 1: every push (the default)")
         if name == "train":
             p.add_argument("--result", required=True, help="JSON lines file, one per worker")
             p.add_argument("--quiet", action="store_true")

@@ -50,6 +50,9 @@ def add_parser(sub, default_data: str) -> None:
                    help="a round is 'kept' when every job's foreign load stayed below this")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="fleetx jobs iterate their batches without fleet.prefetch")
+    p.add_argument("--recv-every", type=int, default=1,
+                   help="async jobs receive the dense weights every N pushes "
+                        "(independent_recv_thread + min_send_grad_num_before_recv)")
     p.add_argument("--out", help="also append every job as a JSON line to this file")
 
 
@@ -151,6 +154,8 @@ def cmd_speedup(args: argparse.Namespace, commands: Callable, root: str,
         (_, cmd), *_ = commands(case, args)
         if case != "local" and not args.prefetch:
             cmd = [*cmd, "--no-prefetch"]
+        if case != "local" and args.recv_every > 1:
+            cmd = [*cmd, "--recv-every", str(args.recv_every)]
         return run_command(cmd, args.max_wait, root)
 
     summary(rounds(cases, args.rounds, job, args.out), cases, args.max_foreign)

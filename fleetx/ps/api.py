@@ -721,6 +721,10 @@ class CommunicatorConfig:
         max_merge_var_num: async: at most this many queued steps are merged into one push.
         send_wait_times: async: empty polls (1 ms each) the sender waits for more steps to merge.
         thread_pool_size: async: merged pushes that may be in flight at once.
+        independent_recv_thread: async: receive the dense weights on a schedule of their own
+            (every ``min_send_grad_num_before_recv`` pushes) instead of with every push.
+        min_send_grad_num_before_recv: async, with ``independent_recv_thread``: pushes between
+            two receptions of the dense weights.
     """
 
     k_steps: int = 100
@@ -728,9 +732,21 @@ class CommunicatorConfig:
     max_merge_var_num: int = 1
     send_wait_times: int = 1
     thread_pool_size: int = 1
+    independent_recv_thread: bool = False
+    min_send_grad_num_before_recv: int = 1
+
+    @property
+    def recv_every(self) -> int:
+        """Async: the dense weights come back with every this-many-th push."""
+        return self.min_send_grad_num_before_recv if self.independent_recv_thread else 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "independent_recv_thread":
+                _require(isinstance(self.independent_recv_thread, bool),
+                         f"CommunicatorConfig.independent_recv_thread="
+                         f"{self.independent_recv_thread!r}: expected a bool")
+                continue
             v, low = getattr(self, f.name), 0 if f.name == "send_wait_times" else 1
             _require(isinstance(v, int) and not isinstance(v, bool) and v >= low,
                      f"CommunicatorConfig.{f.name}={v!r}: expected an int >= {low}")
@@ -738,7 +754,8 @@ class CommunicatorConfig:
     @classmethod
     def from_a_sync_configs(cls, configs: Mapping[str, Any]) -> "CommunicatorConfig":
         names = {f.name for f in fields(cls)}
-        kw = {k: int(v) for k, v in configs.items() if k in names}
+        kw = {k: bool(v) if k == "independent_recv_thread" else int(v)
+              for k, v in configs.items() if k in names}
         if kw.get("k_steps", 1) <= 0:
             kw.pop("k_steps")
         return cls(**kw)

@@ -5,10 +5,11 @@ afterwards) into a bounded queue (``send_queue_size``; a full queue makes ``step
 bounds staleness) and returns. A sender thread takes up to
 ``max_merge_var_num`` queued steps, waiting ``send_wait_times`` polls of 1 ms for more to
 arrive, sums them, and pushes the sum as ONE request per server; at most
-``thread_pool_size`` such pushes are in flight. Each push reply carries the servers' current
-dense weights, received into a new array; the next ``step`` hands the newest ones over in
-``params`` (replacing the entries: the runtime adopts the arrays as the model's storage, no
-copy).
+``thread_pool_size`` such pushes are in flight. A push's reply carries the servers' current
+dense weights (every push's by default; with ``independent_recv_thread``, every
+``min_send_grad_num_before_recv``-th push's, so the dense weights cross the wire less often),
+received into a new array; the next ``step`` hands the newest ones over in ``params``
+(replacing the entries: the runtime adopts the arrays as the model's storage, no copy).
 
 Merging sums rather than averages: with SGD, applying the sum of k gradients is what applying
 them one after another would do, which is what async training means.
@@ -101,12 +102,16 @@ class AsyncCommunicator(Communicator):
 
     def _send_loop(self) -> None:
         inflight: collections.deque = collections.deque()
+        pushes = 0
         try:
             while not self._stopping.is_set():
                 batch = self._collect()
                 if batch:
                     dense, sparse = _merge(batch)
-                    handle = self.client.push(sparse, dense, pull_dense=list(dense))
+                    pushes += 1
+                    recv = pushes % self.comm.recv_every == 0
+                    handle = self.client.push(sparse, dense,
+                                              pull_dense=list(dense) if recv else ())
                     inflight.append((handle, len(batch)))
                 while inflight and (len(inflight) >= self.comm.thread_pool_size
                                     or inflight[0][0].done() or not batch):

@@ -62,11 +62,11 @@ class AsyncConfig(Config):
         16, "Async: steps that may wait to be sent; a full queue makes the next step wait.",
         ge=1)
     independent_recv_thread: bool = option(
-        False, "Paddle: pull parameters in a thread of their own.",
-        no_effect="every push reply carries the dense weights")
+        False, "Async: receive the dense weights on a schedule of their own (every "
+        "min_send_grad_num_before_recv pushes) instead of with every push.")
     min_send_grad_num_before_recv: int = option(
-        1, "Paddle: sends between two pulls of the parameters.", ge=1,
-        no_effect="every push reply carries the dense weights")
+        1, "Async, with independent_recv_thread: pushes between two receptions of the dense "
+        "weights.", ge=1)
     thread_pool_size: int = option(1, "Async: merged pushes in flight at once.", ge=1)
     send_wait_times: int = option(
         1, "Async: polls of 1 ms the sender waits for more queued steps to merge before sending "

@@ -228,6 +228,52 @@ def test_async_communicator_merges_queued_steps(cluster):
     comm.stop()
 
 
+@pytest.mark.parametrize("independent, every", [(False, 1), (True, 1), (True, 3)])
+def test_async_dense_weights_come_back_every_min_send_grad_num_before_recv_pushes(
+        cluster, independent, every):
+    """independent_recv_thread + min_send_grad_num_before_recv: only every k-th push's reply
+    carries the dense weights (without independent_recv_thread, every push's); the servers
+    still apply every push, and the weights a step hands over are the servers' at that push."""
+    tables = make_tables(RuleConfig("sgd", lr=1.0), RuleConfig("sgd", lr=1.0))
+    cl = cluster(tables, servers=2)
+    comm = make_communicator(cl.config, 0, tables, CommunicatorConfig(
+        independent_recv_thread=independent, min_send_grad_num_before_recv=every))
+    comm.start(dense={"dense": np.zeros(10, np.float32)})
+    asked = []
+    push = comm.client.push
+    comm.client.push = lambda *a, **k: asked.append(bool(k["pull_dense"])) or push(*a, **k)
+    params = {"dense": np.zeros(10, np.float32)}
+    seen = []
+    for step in range(9):
+        comm.step(params, {"dense": np.ones(10, np.float32)}, {})
+        comm.flush()  # one push per step: its reply has landed before the next step
+        seen.append(float(params["dense"][0]))
+    comm.step(params, {"dense": np.zeros(10, np.float32)}, {})
+    seen.append(float(params["dense"][0]))
+    comm.flush()
+    assert asked == [(i + 1) % every == 0 for i in range(10)]
+    # the weights after push i (i + 1 unit gradients) reach params at the step after it
+    want, latest = [0.0], 0.0
+    for i in range(9):
+        latest = -(i + 1.0) if asked[i] else latest
+        want.append(latest)
+    assert seen == want[:10]
+    got = comm.client.pull(dense=["dense"]).wait()
+    np.testing.assert_allclose(got.dense["dense"], -9.0)  # every push was applied
+    comm.stop()
+
+
+def test_min_send_grad_num_before_recv_is_read_from_the_strategy():
+    from fleetx.strategy.a_sync import AsyncConfig
+    c = AsyncConfig(independent_recv_thread=True, min_send_grad_num_before_recv=4)
+    comm = CommunicatorConfig.from_a_sync_configs(c.to_dict())
+    assert (comm.independent_recv_thread, comm.recv_every) == (True, 4)
+    assert CommunicatorConfig.from_a_sync_configs(
+        {"min_send_grad_num_before_recv": 4}).recv_every == 1  # Paddle: needs the thread
+    with pytest.raises(PSConfigError, match="independent_recv_thread"):
+        CommunicatorConfig(independent_recv_thread=1)
+
+
 def test_servers_log_rows_memory_and_request_rate(caplog):
     tables = make_tables()
     config = PSConfig([f"127.0.0.1:{free_ports(1)[0]}"], 1, log_interval=0.3, timeout=20)
