@@ -2,11 +2,13 @@
 
 The hot path is :meth:`Observer.step`: two additions, a reference to the loss tensor and, where
 there is a bar, tqdm's own ``update`` (which redraws at most every ``mininterval`` seconds). The
-loss is read (``.item()``, a device sync) only on logged steps, every ``every`` steps.
+losses are read only on logged steps, every ``every`` steps, all at once (one ``.item()``, one
+device synchronisation).
 """
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
@@ -20,6 +22,20 @@ def _value(loss: Any) -> Optional[float]:
     if loss is None:
         return None
     return float(loss.detach().float().mean().item() if hasattr(loss, "detach") else loss)
+
+
+def _mean(losses: list) -> Optional[float]:
+    """The mean of the kept losses (each loss's own mean). Scalar tensors on one device, the
+    usual case, are read in one operation and one device synchronisation, not one per step."""
+    if not losses:
+        return None
+    torch = sys.modules.get("torch")  # present whenever a loss is a tensor
+    if torch is not None and len(losses) > 1 and all(
+            isinstance(v, torch.Tensor) and v.dim() == 0 for v in losses) \
+            and len({v.device for v in losses}) == 1:
+        with torch.no_grad():
+            return float(torch.stack(losses).double().mean().item())
+    return math.fsum(_value(v) for v in losses) / len(losses)
 
 
 class Observer:
@@ -106,9 +122,8 @@ class Observer:
         """Write a row now (also done every ``every`` steps); returns it."""
         now = self._clock()
         elapsed = now - self._last_time
-        losses = [_value(v) for v in self._losses]
         row: dict = {"step": self.steps, "time": now - self._start,
-                     "loss": math.fsum(losses) / len(losses) if losses else None,
+                     "loss": _mean(self._losses),
                      "samples_per_s": (self.samples - self._last_samples) / elapsed
                      if elapsed > 0 else None}
         if self._extras is not None:
