@@ -55,8 +55,8 @@ def test_block_runs(block, tmp_path):
     script.write_text(block.script())
     res = subprocess.run(_command(block, script), cwd=tmp_path, env=_env(), capture_output=True,
                          text=True, timeout=240)
-    logs = "".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "log").glob("*")) \
-        if (tmp_path / "log").is_dir() else ""
+    logs = "".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "log").glob("*")
+                   if p.is_file())  # fleetrun's log folder holds folders too (ps_snapshots)
     assert res.returncode == 0, (f"{block.name} failed ({res.returncode}):\n--- script\n"
                                  f"{block.script()}\n--- output\n{res.stdout[-3000:]}"
                                  f"{res.stderr[-5000:]}\n{logs}")
