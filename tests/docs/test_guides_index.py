@@ -21,3 +21,22 @@ def test_every_link_resolves():
         assert page.is_file(), link
         if anchor:
             assert anchor in _anchors(page), f"{link}: no such section"
+
+
+SECTIONS = ["## What it does", "## When to use it", "## How", "## Measured effect"]
+
+
+def test_every_guide_is_listed_and_has_the_four_parts():
+    """A guide says what, when, how and its measured effect, in that order, and the index
+    lists every guide."""
+    folder = DOCS / "guides"
+    index = (folder / "index.md").read_text()
+    guides = sorted(p for p in folder.glob("*.md") if p.name != "index.md")
+    assert len(guides) >= 20
+    for page in guides:
+        assert f"]({page.name})" in index, f"{page.name} is not in guides/index.md"
+        heads = re.findall(r"^## .*$", page.read_text(), re.M)
+        found = [h for h in heads if any(h.startswith(s) for s in SECTIONS)]
+        assert [next(s for s in SECTIONS if h.startswith(s)) for h in found] == SECTIONS, \
+            f"{page.name}: sections {heads}"
+        assert "```python" in page.read_text(), f"{page.name}: no example"
