@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -95,7 +94,6 @@ def main() -> None:
                                       if v != "plain"},
            "loop_spread_us": {v: round((max(x) - min(x)) * 1e6, 1) for v, x in loops.items()}}
     print(json.dumps(out), flush=True)
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -538,7 +538,7 @@ def main() -> None:
                        help="the table's server rule (adam: as Paddle's async applies)")
         p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                        help="iterate the batches directly, not through fleet.prefetch")
-        p.add_argument("--recv-every", type=int, default=1,
+        p.add_argument("--recv-every", type=ps_speedup.at_least_one, default=1,
                        help="async: the dense weights come back every N pushes "
                             "(a_sync_configs independent_recv_thread + "
                             "min_send_grad_num_before_recv); 1: every push (the default)")

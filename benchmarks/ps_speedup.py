@@ -34,6 +34,14 @@ from ratios import quartiles
 DEFAULT_CASES = "async_1x2,geo_1x2"
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_parser(sub, default_data: str) -> None:
     p = sub.add_parser("speedup", help="fleetx 1 server x 2 workers against 2 x one plain "
                                        "PyTorch process, alternating, through the harness")
@@ -50,7 +58,7 @@ def add_parser(sub, default_data: str) -> None:
                    help="a round is 'kept' when every job's foreign load stayed below this")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="fleetx jobs iterate their batches without fleet.prefetch")
-    p.add_argument("--recv-every", type=int, default=1,
+    p.add_argument("--recv-every", type=at_least_one, default=1,
                    help="async jobs receive the dense weights every N pushes "
                         "(independent_recv_thread + min_send_grad_num_before_recv)")
     p.add_argument("--out", help="also append every job as a JSON line to this file")

@@ -754,7 +754,7 @@ class CommunicatorConfig:
     @classmethod
     def from_a_sync_configs(cls, configs: Mapping[str, Any]) -> "CommunicatorConfig":
         names = {f.name for f in fields(cls)}
-        kw = {k: bool(v) if k == "independent_recv_thread" else int(v)
+        kw = {k: v if k == "independent_recv_thread" else int(v)
               for k, v in configs.items() if k in names}
         if kw.get("k_steps", 1) <= 0:
             kw.pop("k_steps")

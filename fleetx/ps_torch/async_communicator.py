@@ -87,6 +87,16 @@ class AsyncCommunicator(Communicator):
                 self._lock.wait(0.1)
         self._check()
 
+    def refresh(self, names: list) -> dict:
+        """Flush, then the servers' current weights of the dense tables ``names``. A push reply
+        not yet handed over by ``step`` is dropped: it is older than these, and the next step
+        must not take the model back to it."""
+        self.flush()
+        weights = self.client.pull(dense=names).wait().dense if names else {}
+        with self._lock:
+            self._latest = None
+        return weights
+
     def stop(self):
         try:
             self.flush()

@@ -136,10 +136,13 @@ class RemoteSession:
         a GEO worker's own model is what it evaluates."""
         if self.mode == PSMode.ASYNC:
             self.flush_heter()
-            self.comm.flush()
-            names = [t.name for t in self.layout.tables.dense]
-            if names:
-                self.layout.load_dense(self.comm.client.pull(dense=names).wait().dense)
+            self._load_servers_dense()
+
+    def _load_servers_dense(self) -> None:
+        names = [t.name for t in self.layout.tables.dense]
+        weights = self.comm.refresh(names)
+        if names:
+            self.layout.load_dense(weights)
 
     def to_inference(self) -> InferenceSession:
         """Flush, tell the servers, meet the other workers; then read only (the heter
@@ -160,6 +163,8 @@ class RemoteSession:
         try:
             if self.heter is not None:
                 self.heter.stop()
+            if self.mode == PSMode.ASYNC:  # the model ends with the servers' weights, not with
+                self._load_servers_dense()  # the last reply's (up to recv_every pushes older)
         finally:
             self.comm.stop()
         self._reload()

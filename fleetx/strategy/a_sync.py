@@ -65,8 +65,9 @@ class AsyncConfig(Config):
         False, "Async: receive the dense weights on a schedule of their own (every "
         "min_send_grad_num_before_recv pushes) instead of with every push.")
     min_send_grad_num_before_recv: int = option(
-        1, "Async, with independent_recv_thread: pushes between two receptions of the dense "
-        "weights.", ge=1)
+        1, "Async, with independent_recv_thread: the dense weights come back with every "
+        "this-many-th push (Paddle: once more than this many sends happened, polled every "
+        "10 ms).", ge=1)
     thread_pool_size: int = option(1, "Async: merged pushes in flight at once.", ge=1)
     send_wait_times: int = option(
         1, "Async: polls of 1 ms the sender waits for more queued steps to merge before sending "

@@ -41,10 +41,16 @@ def test_rows_every_n_steps_with_mean_loss_and_samples_per_second(tmp_path):
     assert (tmp_path / "scalars.1.csv").read_text().splitlines()[0] == ",".join(COLUMNS)
 
 
-def test_the_kept_losses_are_read_at_once_and_their_mean_is_that_of_the_per_step_means():
+def test_the_kept_losses_are_read_at_once_and_their_mean_is_that_of_the_per_step_means(
+        monkeypatch):
     from fleetx.observe.observer import _mean
     scalars = [torch.tensor(v, requires_grad=True) * 1.5 for v in (0.1, 0.2, 0.7)]
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append(1) or item(t))
     assert _mean(scalars) == pytest.approx((0.15 + 0.3 + 1.05) / 3, rel=1e-7)
+    assert len(reads) == 1  # one read (one device synchronisation), not one per step
+    monkeypatch.undo()
     mixed = [torch.tensor([1.0, 3.0]), 4.0, torch.tensor(6.0, dtype=torch.float64)]
     assert _mean(mixed) == pytest.approx((2.0 + 4.0 + 6.0) / 3)  # per-loss means, then mean
     assert _mean([]) is None and _mean([torch.tensor(2.5)]) == 2.5

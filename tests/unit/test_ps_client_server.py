@@ -263,6 +263,57 @@ def test_async_dense_weights_come_back_every_min_send_grad_num_before_recv_pushe
     comm.stop()
 
 
+def test_async_refresh_drops_an_older_reply_so_the_next_step_keeps_the_pulled_weights(cluster):
+    """A reply not yet handed over when refresh() pulls newer weights must not take the model
+    back at the next step."""
+    tables = make_tables(RuleConfig("sgd", lr=1.0), RuleConfig("sgd", lr=1.0))
+    cl = cluster(tables, servers=1, workers=2)
+    comm = make_communicator(cl.config, 0, tables, CommunicatorConfig(
+        independent_recv_thread=True, min_send_grad_num_before_recv=2))
+    comm.start(dense={"dense": np.zeros(10, np.float32)}, meet=False)
+    params = {"dense": np.zeros(10, np.float32)}
+    for _ in range(2):
+        comm.step(params, {"dense": np.ones(10, np.float32)}, {})
+        comm.flush()  # the second push's reply (weights -2) waits to be handed over
+    other = cl.client(rank=1)
+    other.push(dense={"dense": np.ones(10, np.float32)}).wait()  # the servers move on: -3
+    params["dense"] = comm.refresh(["dense"])["dense"]
+    np.testing.assert_allclose(params["dense"], -3.0)
+    comm.step(params, {"dense": np.zeros(10, np.float32)}, {})
+    np.testing.assert_allclose(params["dense"], -3.0)  # not the older reply's -2
+    comm.flush()
+    other.stop()
+    comm.stop()
+
+
+def test_an_async_session_ends_with_the_servers_weights_when_replies_skip_them(cluster):
+    """stop_worker leaves the model holding the servers' final dense weights even when the
+    last pushes' replies carried none (independent_recv_thread)."""
+    from fleetx.ps_torch.layout import ModelLayout
+    from fleetx.ps_torch.sessions import RemoteSession
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    layout = ModelLayout.of(model, opt)
+    cl = cluster(layout.tables, servers=2)
+    session = RemoteSession(layout, cl.config, 0, CommunicatorConfig(
+        independent_recv_thread=True, min_send_grad_num_before_recv=4))
+    x = torch.randn(8, 4)
+    for _ in range(3):  # three pushes, none of whose replies brings the weights back
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        session.step(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    session.stop()
+    # the servers' values, read in their process (a job whose workers all stopped takes no
+    # new connection): each server holds its slice of every dense table, in server order
+    servers = np.concatenate([np.concatenate([s.shard.table(t.name).pull() for s in cl.servers])
+                              for t in layout.tables.dense])
+    flat = np.concatenate([p.detach().numpy().reshape(-1) for p in model.parameters()])
+    np.testing.assert_allclose(servers, flat, rtol=1e-6)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_min_send_grad_num_before_recv_is_read_from_the_strategy():
     from fleetx.strategy.a_sync import AsyncConfig
     c = AsyncConfig(independent_recv_thread=True, min_send_grad_num_before_recv=4)
