@@ -205,21 +205,25 @@ def test_geo_with_one_worker_equals_local_training(cluster, k_steps):
     np.testing.assert_allclose(w, dense, rtol=1e-6, atol=1e-6)
 
 
-def test_async_communicator_merges_queued_steps(cluster):
+@pytest.mark.parametrize("recv", [{}, {"independent_recv_thread": True,
+                                        "min_send_grad_num_before_recv": 2}])
+def test_async_communicator_merges_queued_steps(cluster, recv):
     tables = make_tables(RuleConfig("sgd", lr=1.0), RuleConfig("sgd", lr=1.0))
     cl = cluster(tables, servers=1)
     comm = make_communicator(cl.config, 0, tables, CommunicatorConfig(
-        max_merge_var_num=8, send_wait_times=20, send_queue_size=32))
+        max_merge_var_num=8, send_wait_times=20, send_queue_size=32, **recv))
     comm.start(dense={"dense": np.zeros(10, np.float32)})
     sent = []
     push = comm.client.push
-    comm.client.push = lambda *a, **k: sent.append(1) or push(*a, **k)
+    comm.client.push = lambda *a, **k: sent.append(bool(k["pull_dense"])) or push(*a, **k)
     params = {"dense": np.zeros(10, np.float32)}
     for step in range(20):
         comm.step(params, {"dense": np.ones(10, np.float32)},
                   {"emb": (np.array([1, 1, 2]), np.ones((3, 3), np.float32))})
     comm.flush()
     assert len(sent) < 20  # steps were merged into fewer pushes
+    every = 2 if recv else 1  # a merged push counts once
+    assert sent == [(i + 1) % every == 0 for i in range(len(sent))]
     got = comm.client.pull({"emb": np.array([1, 2])}, dense=["dense"]).wait()
     np.testing.assert_allclose(got.dense["dense"], -20.0)
     np.testing.assert_allclose(got.sparse["emb"].values - initial_rows(got.sparse["emb"].ids, 3,
