@@ -171,11 +171,30 @@ def detect(environ: Optional[Mapping[str, str]] = None,
         fleetx.env.EnvError: a malformed or inconsistent variable, or an MPI job of several
             processes without ``MASTER_ADDR``; the message names the variables.
     """
-    for read in (_open_mpi, _mpich, _slurm):
+    if env.is_set("SLURM_HET_SIZE", environ):
+        raise env.EnvError(
+            f"SLURM_HET_SIZE={env.get('SLURM_HET_SIZE', None, environ)}: this is a heterogeneous "
+            "Slurm job, whose components number their tasks apart; fleetx does not read them. "
+            "Launch each component as a job of its own, or pass RANK, WORLD_SIZE, LOCAL_RANK, "
+            "MASTER_ADDR and MASTER_PORT explicitly")
+    for read in (_open_mpi, _srun_pmi, _mpich, _slurm):
         found = read(environ, with_master)
         if found is not None:
             return found
     return None
+
+
+def _srun_pmi(e: Optional[Mapping[str, str]], with_master: bool) -> Optional[ClusterLaunch]:
+    """``srun --mpi=pmi2`` (or ``MpiDefault=pmi2``) sets ``PMI_RANK`` / ``PMI_SIZE`` beside
+    Slurm's own: when they describe the same tasks, srun is the launcher and Slurm's node list
+    says where task 0 runs. (Hydra's mpirun inside an allocation numbers its ranks apart from
+    the allocation's ``SLURM_PROCID``: MPICH's reader takes those.)"""
+    names = ("PMI_RANK", "SLURM_PROCID"), ("PMI_SIZE", "SLURM_NTASKS")
+    if not all(env.is_set(n, e) for pair in names for n in pair):
+        return None
+    if any(env.get(a, None, e) != env.get(b, None, e) for a, b in names):
+        return None
+    return _slurm(e, with_master)
 
 
 def _launch(launcher: str, names: tuple, local_size_name: Optional[str], master_of,
@@ -253,12 +272,15 @@ def _slurm_master(e: Optional[Mapping[str, str]]) -> tuple:
 
 
 def _slurm_local_size(e: Optional[Mapping[str, str]]) -> Optional[int]:
-    """Tasks on this node: ``SLURM_NTASKS_PER_NODE`` (given with --ntasks-per-node), else this
-    node's entry (``SLURM_NODEID``) of the step's or job's tasks per node."""
-    fixed = env.get_int("SLURM_NTASKS_PER_NODE", None, e)
-    if fixed is not None:
-        return fixed
-    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+    """Tasks on this node: this node's entry (``SLURM_NODEID``) of the step's tasks per node;
+    else ``SLURM_NTASKS_PER_NODE`` (--ntasks-per-node, which a step inherits from its job);
+    else this node's entry of the job's."""
+    names = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
+    if not env.is_set(names[0], e):
+        fixed = env.get_int("SLURM_NTASKS_PER_NODE", None, e)
+        if fixed is not None:
+            return fixed
+    for name in names:
         if env.is_set(name, e):
             counts = expand_tasks_per_node(env.get(name, None, e))
             node = env.get_int("SLURM_NODEID", 0, e)

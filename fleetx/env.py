@@ -115,6 +115,8 @@ _VARS = [
     _v("SLURM_TASKS_PER_NODE", "tasks on each node, e.g. 2(x3),1 (used when "
        "SLURM_STEP_TASKS_PER_NODE is unset)", "sbatch, salloc, srun", _CLUSTER,
        "torchrun LOCAL_WORLD_SIZE"),
+    _v("SLURM_HET_SIZE", "components of a heterogeneous job (refused: they number their tasks "
+       "apart)", "sbatch, salloc, srun", _CLUSTER, "-"),
     _v("SLURM_JOB_ID", "the job's id: the rendezvous port is 20000 + (id mod 10000) when "
        "MASTER_PORT is unset", "sbatch, salloc, srun", _CLUSTER, "torchrun MASTER_PORT"),
     _v("OMPI_COMM_WORLD_RANK", "global rank", "Open MPI mpirun", _CLUSTER, "torchrun RANK"),
@@ -124,8 +126,10 @@ _VARS = [
        "torchrun LOCAL_RANK"),
     _v("OMPI_COMM_WORLD_LOCAL_SIZE", "processes on this node", "Open MPI mpirun", _CLUSTER,
        "torchrun LOCAL_WORLD_SIZE"),
-    _v("PMI_RANK", "global rank", "MPICH / Intel MPI mpirun (Hydra)", _CLUSTER, "torchrun RANK"),
-    _v("PMI_SIZE", "number of processes", "MPICH / Intel MPI mpirun (Hydra)", _CLUSTER,
+    _v("PMI_RANK", "global rank", "MPICH / Intel MPI mpirun (Hydra); srun --mpi=pmi2 too",
+       _CLUSTER, "torchrun RANK"),
+    _v("PMI_SIZE", "number of processes", "MPICH / Intel MPI mpirun (Hydra); srun --mpi=pmi2 too",
+       _CLUSTER,
        "torchrun WORLD_SIZE"),
     _v("MPI_LOCALRANKID", "rank on this node", "MPICH / Intel MPI mpirun (Hydra)", _CLUSTER,
        "torchrun LOCAL_RANK"),

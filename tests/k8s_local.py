@@ -28,6 +28,7 @@ import base64
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -221,8 +222,10 @@ def run(docs: list[dict], workdir: Path, timeout: float = 120.0) -> dict[str, tu
         child = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
         child.update(pod.env, OMP_NUM_THREADS="1")
         out = open(folder / "output", "wb")
+        # a session of its own: a pod that outlives the deadline goes with all it started
         procs[pod.name] = (subprocess.Popen(_argv(pod.command), cwd=folder, env=child,
-                                            stdout=out, stderr=subprocess.STDOUT), out, folder)
+                                            stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True), out, folder)
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p, _, _ in procs.values()):
@@ -234,7 +237,7 @@ def run(docs: list[dict], workdir: Path, timeout: float = 120.0) -> dict[str, tu
     finally:
         for p, out, _ in procs.values():
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)  # the pod's fleetrun and its children
                 p.wait()
             out.close()
     return {n: (p.returncode, (f / "output").read_text()) for n, (p, _, f) in procs.items()}

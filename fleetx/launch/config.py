@@ -128,6 +128,17 @@ def _dns_label(value: Any) -> Optional[str]:
     return None
 
 
+def _namespace(value: Any) -> Optional[str]:
+    """A Kubernetes namespace: an RFC 1123 label (at most 63 characters, may start with a
+    digit)."""
+    if value is None:
+        return None
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", str(value)):
+        return (f"{value!r} is not a Kubernetes namespace: lower-case letters, digits and '-', "
+                f"not starting or ending with '-', at most 63 characters")
+    return None
+
+
 def _ranks(text: str) -> Any:
     """``all``, or comma-separated ranks as a sorted tuple of ints."""
     if text.strip().lower() == "all":
@@ -283,7 +294,7 @@ class LaunchConfig:
         group="kubernetes", metavar="IMAGE")
     namespace: Optional[str] = _flag(
         "with --k8s: the namespace of the manifests and of the pods' DNS names (default: "
-        "default)", group="kubernetes", check=_dns_label, metavar="NS")
+        "default)", group="kubernetes", check=_namespace, metavar="NS")
     name: Optional[str] = _flag(
         "with --k8s: the job's name, which prefixes every object and pod (default: the "
         "script's name)", group="kubernetes", check=_dns_label, metavar="NAME")

@@ -152,8 +152,12 @@ def _pytorchjob(config: LaunchConfig, name: str, namespace: str) -> dict:
                            CONTAINER)
     container["ports"][0]["name"] = "pytorchjob-port"  # the operator's name for the port
     restart = "OnFailure" if elastic else "Never"
+    # The operator counts the pods' restarts against backoffLimit: an elastic job, whose failed
+    # pods come back (OnFailure) and rejoin, sets none; a static one restarts inside its pods.
+    policy = {"cleanPodPolicy": "Running",
+              **({} if elastic else {"backoffLimit": config.max_restarts})}
     spec: dict[str, Any] = {
-        "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": config.max_restarts},
+        "runPolicy": policy,
         "pytorchReplicaSpecs": {
             kind: {"replicas": count, "restartPolicy": restart,
                    "template": {"metadata": {"labels": {JOB_LABEL: name}},

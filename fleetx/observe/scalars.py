@@ -10,9 +10,18 @@ import csv
 import os
 from typing import Mapping, Optional
 
+from fleetx import env
 from fleetx.observe.api import COLUMNS, csv_path, require
 
 __all__ = ["ScalarWriter"]
+
+
+def _has_header(path: str) -> bool:
+    try:
+        with open(path, newline="") as f:
+            return next(csv.reader(f), None) == list(COLUMNS)
+    except OSError:
+        return False
 
 
 class ScalarWriter:
@@ -43,9 +52,14 @@ class ScalarWriter:
             self._tb = writer(os.path.join(log_dir, "tb", f"rank{rank}"))
         self._file = self._csv = None
         if csv_file:
-            self._file = open(csv_path(log_dir, rank), "w", newline="")
+            path = csv_path(log_dir, rank)
+            # a restarted process (fleetrun --max_restarts, elastic) goes on with its rank's
+            # rows; a new run starts the file afresh
+            resume = env.get_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and _has_header(path)
+            self._file = open(path, "a" if resume else "w", newline="")
             self._csv = csv.writer(self._file)
-            self._csv.writerow(COLUMNS)
+            if not resume:
+                self._csv.writerow(COLUMNS)
             self._file.flush()
 
     def write(self, row: Mapping[str, Optional[float]]) -> None:

@@ -98,6 +98,8 @@ class Acceptor:
         handshake_timeout: seconds a connection has to authenticate.
         local: also listen on the same-machine socket of the port (when one can be made);
             its connections pass the same handshake and limits.
+        resolve_wait: seconds to keep trying while ``host`` is a name that does not resolve
+            yet (a pod's own DNS name appears shortly after the pod starts).
 
     Raises:
         PeerLostError: the address cannot be listened on (names the endpoint).
@@ -110,15 +112,27 @@ class Acceptor:
     def __init__(self, host: str, port: int, key: bytes, name: str,
                  has_room: Callable[[], bool], adopt: Callable[[socket.socket, str], None],
                  max_pending: int = MAX_PENDING,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, local: bool = False) -> None:
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, local: bool = False,
+                 resolve_wait: float = 0.0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-            self.sock.listen(_BACKLOG)
-        except OSError as e:
-            self.sock.close()
-            raise PeerLostError(f"server endpoint {host}:{port}", f"cannot listen: {e}") from None
+        deadline = time.monotonic() + resolve_wait
+        while True:
+            try:
+                self.sock.bind((host, port))
+                self.sock.listen(_BACKLOG)
+                break
+            except socket.gaierror as e:  # the name is not known yet: wait for it, bounded
+                if time.monotonic() + 0.5 > deadline:
+                    self.sock.close()
+                    raise PeerLostError(f"server endpoint {host}:{port}",
+                                        f"cannot listen: {host!r} did not resolve within "
+                                        f"{resolve_wait:.0f} s ({e})") from None
+                time.sleep(0.5)
+            except OSError as e:
+                self.sock.close()
+                raise PeerLostError(f"server endpoint {host}:{port}",
+                                    f"cannot listen: {e}") from None
         self.sock.setblocking(False)
         self.host, self.port = host, self.sock.getsockname()[1]
         # bound after the TCP address and port, which no other process holds meanwhile: the

@@ -230,7 +230,7 @@ class PSServer:
         # a connection silent for dead_after is dead; a real handshake takes about a millisecond
         return Acceptor(host, port, key, self.name, self._links.has_room, self._links.adopt,
                         handshake_timeout=min(HANDSHAKE_TIMEOUT, self.config.dead_after),
-                        local=self.config.local_sockets)
+                        local=self.config.local_sockets, resolve_wait=self.config.timeout)
 
     def _link_options(self) -> dict:
         """Replies are queued per link, so a peer that stops reading never blocks the handler

@@ -51,6 +51,7 @@ def test_collective_is_a_pytorchjob_whose_pods_run_fleetrun_for_their_node():
     specs = job.spec.pytorch_replica_specs
     assert {k: s.replicas for k, s in specs.items()} == {"Master": 1, "Worker": 2}
     assert job.spec.elastic_policy is None
+    assert job.spec.run_policy.backoff_limit == 0  # static: restarts happen inside the pods
     pod = specs["Worker"].template.spec
     (container,) = pod.containers
     assert container.name == "pytorch"  # the operator sets its variables there only
@@ -82,6 +83,8 @@ def test_elastic_collective_has_an_elastic_policy_and_worker_pods_only():
     assert cmd[cmd.index("--nproc_per_node") + 1] == "2"
     assert cmd[cmd.index("--max_restarts") + 1] == "3"
     assert worker.template.spec.containers[0].resources is None  # no --gpus: no GPU request
+    # the operator counts pod restarts against backoffLimit: an elastic job sets none
+    assert "backoffLimit" not in doc["spec"]["runPolicy"]
 
 
 def test_ps_is_a_secret_a_headless_service_and_an_indexed_job_per_role():
@@ -160,6 +163,12 @@ def test_flags_that_make_no_sense_with_k8s_are_refused(argv, flag, words):
     assert err.value.flag == flag and words in err.value.message
 
 
+def test_a_namespace_may_start_with_a_digit_and_be_63_characters_long():
+    ns = "1" + "a" * 62
+    (doc,) = k8s.manifests(_config("--nnodes", "2", "--namespace", ns, "t.py"))
+    assert doc["metadata"]["namespace"] == ns
+
+
 @pytest.mark.parametrize("argv, flag, words", [
     (["--k8s", "t.py"], "--k8s", "needs --image IMAGE"),
     (["--image", "x", "t.py"], "--image", "only means something with --k8s"),
@@ -168,7 +177,9 @@ def test_flags_that_make_no_sense_with_k8s_are_refused(argv, flag, words):
      "choose from yaml, json"),
     (["--k8s", "--image", "x", "--name", "Bad_Name", "t.py"], "--name", "not a Kubernetes name"),
     (["--k8s", "--image", "x", "--namespace", "ml-", "t.py"], "--namespace",
-     "not a Kubernetes name"),
+     "not a Kubernetes namespace"),
+    (["--k8s", "--image", "x", "--namespace", "n" * 64, "t.py"], "--namespace",
+     "at most 63 characters"),
 ])
 def test_bad_kubernetes_flags_name_the_flag(argv, flag, words):
     with pytest.raises(ConfigError) as err:

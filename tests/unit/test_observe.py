@@ -56,6 +56,22 @@ def test_the_kept_losses_are_read_at_once_and_their_mean_is_that_of_the_per_step
     assert _mean([]) is None and _mean([torch.tensor(2.5)]) == 2.5
 
 
+def test_a_restarted_process_goes_on_with_its_ranks_rows_and_a_new_run_starts_afresh(
+        tmp_path, monkeypatch):
+    def run(losses):
+        with Observer(rank=0, every=1, scalars_dir=str(tmp_path), tensorboard=False,
+                      progress=False) as obs:
+            for loss in losses:
+                obs.step(loss, samples=1)
+        return [r["loss"] for r in read_scalars(str(tmp_path / "scalars.0.csv"))]
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert run([1.0, 2.0]) == [1.0, 2.0]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # fleetrun restarted this rank
+    assert run([3.0]) == [1.0, 2.0, 3.0]
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")  # a new run in the same folder
+    assert run([4.0]) == [4.0]
+
+
 def test_tensorboard_run_per_rank(tmp_path):
     with Observer(rank=3, every=1, scalars_dir=str(tmp_path)) as obs:
         obs.step(0.5, samples=2)

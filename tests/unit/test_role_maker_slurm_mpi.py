@@ -89,6 +89,26 @@ def test_srun_step_nodelist_and_local_sizes():
         role(dict(env, LOCAL_WORLD_SIZE="1"))
 
 
+def test_srun_step_tasks_per_node_win_over_the_jobs_ntasks_per_node():
+    # `srun -n2` inside `sbatch --ntasks-per-node=4`: the step inherits the job's 4
+    env = dict(SRUN, SLURM_NTASKS_PER_NODE="4", SLURM_STEP_TASKS_PER_NODE="2,2")
+    assert role(env)._get_local_world_size() == 2
+
+
+def test_srun_with_pmi2_is_read_as_slurm_and_needs_no_master_addr():
+    # srun --mpi=pmi2 (or MpiDefault=pmi2) sets PMI_RANK / PMI_SIZE equal to Slurm's own
+    env = dict(SRUN, PMI_RANK="3", PMI_SIZE="4")
+    assert clusters.detect(env).launcher == "Slurm"
+    assert summary(role(env)) == (3, 4, 1, 2, ("node01", 20000 + 4711))
+    # Hydra's mpirun inside an allocation numbers its own ranks: MPICH's reader takes them
+    assert clusters.detect(dict(MPICH, **SRUN)).launcher == "MPICH"
+
+
+def test_a_heterogeneous_slurm_job_is_refused_naming_the_variable():
+    with pytest.raises(EnvError, match="SLURM_HET_SIZE=2: this is a heterogeneous Slurm job"):
+        role(dict(SRUN, SLURM_HET_SIZE="2"))
+
+
 def test_srun_one_task_needs_no_node_list():
     rm = role({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
     assert summary(rm) == (0, 1, 0, 1, None)
