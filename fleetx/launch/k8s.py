@@ -177,7 +177,9 @@ def _ps_refuse(config: LaunchConfig) -> None:
     given = {"--nproc_per_node": config.nproc_per_node, "--gpus": config.gpus,
              "--nnodes": config.nnodes,
              "--max_restarts": config.max_restarts or None,
-             "--log_ranks": config.log_ranks, "--tee": config.tee or None}
+             "--log_ranks": config.log_ranks, "--tee": config.tee or None,
+             "--log_dir": config.log_dir if config.log_dir != "log" else None,
+             "--backend": config.backend if config.backend != "auto" else None}
     for flag, value in given.items():
         if value is not None:
             raise ConfigError(flag, "makes no sense with --k8s in a parameter-server job: each "
@@ -278,7 +280,7 @@ def manifests(config: LaunchConfig,
     name, namespace = job_name(config), config.namespace or DEFAULT_NAMESPACE
     if config.resolved_mode() is RunMode.PS:
         return _ps_manifests(config, name, namespace, make_secret)
-    for flag in ("--server_num", "--worker_num"):  # only with --run_mode collective
+    for flag in ("--server_num", "--worker_num", "--ps_secret_file"):  # with --run_mode collective
         if getattr(config, flag[2:]):
             raise ConfigError(flag, "is a parameter-server flag; this is a collective job")
     return [_pytorchjob(config, name, namespace)]

@@ -156,6 +156,11 @@ def test_default_name_comes_from_the_script():
     (["--server_num", "1"], "--worker_num", "needs --server_num and --worker_num"),
     (["--heter_worker_num", "1", "--server_num", "1", "--worker_num", "1"], "--heter_worker_num",
      "not generated"),
+    (["--server_num", "1", "--worker_num", "1", "--log_dir", "x"], "--log_dir",
+     "parameter-server"),
+    (["--server_num", "1", "--worker_num", "1", "--backend", "gloo"], "--backend",
+     "parameter-server"),
+    (["--nnodes", "2", "--ps_secret_file", "s"], "--ps_secret_file", "this is a collective job"),
 ])
 def test_flags_that_make_no_sense_with_k8s_are_refused(argv, flag, words):
     with pytest.raises(ConfigError) as err:

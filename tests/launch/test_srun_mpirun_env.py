@@ -1,10 +1,12 @@
 """Real processes started as ``srun`` and ``mpirun`` start them: only their variables (no
-RANK, WORLD_SIZE, MASTER_ADDR for Slurm), through ``python -m fleetx.run``; two ranks train over
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT for Slurm), through ``python -m fleetx.run``; two ranks train over
 gloo on loopback and must end with equal parameters, and each exits 0. Each test takes ~6 s on
 a loaded 2-core machine (two torch imports); the variants are in the slow stage."""
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,12 +46,25 @@ def _check(results: list[list[str]], local_ranks: list[str]) -> None:
     assert len(results[0][3:]) == 10
 
 
+def _job_id_with_a_free_port() -> str:
+    """A SLURM_JOB_ID whose rendezvous port (20000 + id mod 10000) is free now."""
+    for port in random.sample(range(20000, 30000), 50):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return str(70000 + port - 20000)  # 7xxxx: mod 10000 gives the port back
+    pytest.fail("no free port in 20000-29999 after 50 tries")
+
+
 @pytest.mark.parametrize("nodelist", [
     "localhost", pytest.param("localhost,node[02-03]", marks=pytest.mark.slow)])
 def test_srun_two_tasks_on_one_node(nodelist):
+    # srun's variables alone: the node list gives the address, the job id the port
     job = {"SLURM_NTASKS": "2", "SLURM_NODELIST": nodelist, "SLURM_JOB_NODELIST": nodelist,
-           "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2", "SLURM_JOB_ID": "77",
-           "MASTER_PORT": str(free_port())}
+           "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2",
+           "SLURM_JOB_ID": _job_id_with_a_free_port()}
     tasks = [dict(job, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)) for r in range(2)]
     _check(_run_tasks(tasks), ["0", "1"])
 
