@@ -1,6 +1,6 @@
 """``python -m fleetx.plot LOG_DIR [--out FILE.png]`` (also ``fleetrun --plot LOG_DIR``): a PNG of
 the loss and the throughput of every rank, from the ``scalars.<rank>.csv`` files that
-``fleet.observe(scalars_dir=LOG_DIR)`` wrote. Two panels (loss, samples/s against the step), one
+``fleet.observe`` wrote (into fleetrun's log folder, or its ``scalars_dir``). Two panels (loss, samples/s against the step), one
 line per rank. matplotlib (the ``observe`` extra) draws it with the Agg backend: no display needed.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ def _runs(log_dir: str) -> dict[int, list]:
     files = {int(m.group(1)): path for path in glob.glob(os.path.join(log_dir, "scalars.*.csv"))
              if (m := _CSV.search(path))}
     if not files:
-        raise FileNotFoundError(f"{log_dir}: no scalars.<rank>.csv here (write them with "
-                                f"fleet.observe(scalars_dir=...))")
+        raise FileNotFoundError(f"{log_dir}: no scalars.<rank>.csv here (fleet.observe writes "
+                                f"them: into fleetrun's log folder, or its scalars_dir)")
     return {rank: read_scalars(files[rank]) for rank in sorted(files)}
 
 

@@ -50,6 +50,8 @@ def observe(fleet: Any, *, total: Optional[int] = None, batch_size: Optional[int
     if force_progress is None:
         force_progress = env.get("FLEETX_TTY") == "1"
     log_dir = env.get("FLEETX_LOG_DIR")
+    if scalars_dir is None and log_dir:  # under fleetrun: the CSV beside the logs, for --plot
+        scalars_dir, tensorboard = log_dir, False
     return Observer(rank=rank, total=total, batch_size=batch_size, every=every,
                     progress=progress, force_progress=force_progress, scalars_dir=scalars_dir,
                     tensorboard=tensorboard, extras=lambda: _strategy_scalars(fleet),

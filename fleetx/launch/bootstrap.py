@@ -37,6 +37,7 @@ from fleetx import env
 from fleetx.launch import banner, logs
 from fleetx.launch.api import NodeSetup
 from fleetx.launch.script import run_script
+from fleetx.observe.api import csv_path, throughput_path
 
 __all__ = ["process_env", "local_env", "endpoint_env", "static_endpoints", "own_endpoint",
            "configure", "main"]
@@ -207,13 +208,27 @@ def _redirect_output(path: str, fresh: bool) -> None:
     os.close(fd)
 
 
+def _forget_throughput(log_dir: str, index: int) -> None:
+    """A fresh process removes the throughput and scalars an earlier job's process of its rank
+    left (only node 0 moves an earlier job's files aside, before any process starts):
+    fleetrun's summary and --plot then show only what this job reported."""
+    for path in (throughput_path(log_dir, index), csv_path(log_dir, index)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def _main_ps(argv: Sequence[str]) -> None:
     """A parameter-server process: ``SETUP`` is ``{"log": path, "launcher_pid": pid}``, and
     ``"module": true`` when the script is a module name (``fleetrun -m``)."""
     setup = json.loads(argv[0])
     _die_with_launcher(int(setup["launcher_pid"]))
     _start_guardian()
-    _redirect_output(setup["log"], fresh=bool(setup.get("fresh", True)))  # a restart appends
+    fresh = bool(setup.get("fresh", True))
+    _redirect_output(setup["log"], fresh=fresh)  # a restart appends
+    if fresh and env.get("TRAINING_ROLE") == "TRAINER" and env.is_set("PADDLE_TRAINER_ID"):
+        _forget_throughput(os.path.dirname(setup["log"]), env.get_int("PADDLE_TRAINER_ID"))
     run_script(argv[1], argv[2:], module=bool(setup.get("module")))
 
 
@@ -240,6 +255,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         known = endpoints or [own_endpoint(setup, local_rank)]
         logs.write_endpoints(setup.log_dir, list(known))
     _redirect_output(logs.worker_log(setup.log_dir, rank), fresh=not restarted)
+    if not restarted:
+        _forget_throughput(setup.log_dir, rank)
     run_script(script, args, module=setup.module)
 
 

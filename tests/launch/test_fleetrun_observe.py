@@ -61,3 +61,27 @@ def test_parameter_server_job_prints_a_row_per_process(tmp_path):
     assert rows[("worker", "1")][2:5] == ["failed", "(exit", "3)"]
     assert rows[("server", "0")][2:4] == ["killed", "(SIGTERM)"]  # fleetrun stopped it
     assert rows[("worker", "1")][-1] == "-"  # it reported no throughput
+
+
+def test_without_scalars_dir_the_csv_goes_beside_the_logs_and_plot_reads_the_log_folder(
+        tmp_path):
+    script = tmp_path / "observed.py"
+    script.write_text(
+        "import torch\n"
+        "from fleetx import fleet\n"
+        "fleet.init(is_collective=True)\n"
+        "model = fleet.distributed_model(torch.nn.Linear(4, 1))\n"
+        "opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "with fleet.observe(batch_size=8, every=2, progress=False) as obs:\n"
+        "    for _ in range(6):\n"
+        "        loss = model(torch.randn(8, 4)).square().mean()\n"
+        "        opt.minimize(loss)\n"
+        "        obs.step(loss)\n")
+    res = run(["--nproc_per_node", "1", script], tmp_path, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    csv = (tmp_path / "log" / "scalars.0.csv").read_text().splitlines()
+    assert csv[0].startswith("step,time,loss") and len(csv) == 1 + 3
+    assert not (tmp_path / "log" / "tb").exists()  # no TensorBoard run unless asked
+    plot = run(["--plot", tmp_path / "log"], tmp_path, timeout=120)
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "log" / "scalars.png").read_bytes()[:4] == b"\x89PNG"

@@ -103,3 +103,25 @@ def test_torch_variables_are_set_before_anything_imports_torch(tmp_path):
                     "trainer_id": "1", "endpoints": None,
                     "returned": ["10.0.0.1:7001", "10.0.0.2:7001"],
                     "after": "10.0.0.1:7001,10.0.0.2:7001"}
+
+
+def test_a_fresh_ps_worker_forgets_the_throughput_an_earlier_job_left(tmp_path):
+    """Only node 0 moves an earlier job's files aside: on other nodes a fresh worker removes
+    its own rank's throughput file, so fleetrun's summary never shows an earlier job's figure
+    for a process that reported none; a restarted one keeps it, and other ranks' stay."""
+    script = tmp_path / "quiet.py"
+    script.write_text("pass\n")
+    for name in ("throughput.0", "throughput.1"):
+        (tmp_path / name).write_text('{"samples_per_s": 99.0, "steps": 3}')
+
+    def start(fresh):
+        setup = json.dumps({"log": str(tmp_path / "workerlog.0"), "launcher_pid": os.getpid(),
+                            "fresh": fresh})
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING"))}
+        env.update(TRAINING_ROLE="TRAINER", PADDLE_TRAINER_ID="0")
+        subprocess.run([sys.executable, "-m", "fleetx.launch.bootstrap", "--ps", setup,
+                        str(script)], env=env, check=True, timeout=60)
+    start(fresh=False)  # a restart: this job's own figure stays
+    assert (tmp_path / "throughput.0").exists()
+    start(fresh=True)
+    assert not (tmp_path / "throughput.0").exists() and (tmp_path / "throughput.1").exists()
