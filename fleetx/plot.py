@@ -1,7 +1,8 @@
 """``python -m fleetx.plot LOG_DIR [--out FILE.png]`` (also ``fleetrun --plot LOG_DIR``): a PNG of
 the loss and the throughput of every rank, from the ``scalars.<rank>.csv`` files that
-``fleet.observe`` wrote (into fleetrun's log folder, or its ``scalars_dir``). Two panels (loss, samples/s against the step), one
-line per rank. matplotlib (the ``observe`` extra) draws it with the Agg backend: no display needed.
+``fleet.observe`` wrote (into fleetrun's log folder, or its ``scalars_dir``). Two panels (loss,
+samples/s against the step), one line per rank. matplotlib (the ``observe`` extra) draws it with
+the Agg backend: no display needed.
 """
 from __future__ import annotations
 

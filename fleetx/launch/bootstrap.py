@@ -208,7 +208,7 @@ def _redirect_output(path: str, fresh: bool) -> None:
     os.close(fd)
 
 
-def _forget_throughput(log_dir: str, index: int) -> None:
+def _forget_earlier_reports(log_dir: str, index: int) -> None:
     """A fresh process removes the throughput and scalars an earlier job's process of its rank
     left (only node 0 moves an earlier job's files aside, before any process starts):
     fleetrun's summary and --plot then show only what this job reported."""
@@ -228,7 +228,7 @@ def _main_ps(argv: Sequence[str]) -> None:
     fresh = bool(setup.get("fresh", True))
     _redirect_output(setup["log"], fresh=fresh)  # a restart appends
     if fresh and env.get("TRAINING_ROLE") == "TRAINER" and env.is_set("PADDLE_TRAINER_ID"):
-        _forget_throughput(os.path.dirname(setup["log"]), env.get_int("PADDLE_TRAINER_ID"))
+        _forget_earlier_reports(os.path.dirname(setup["log"]), env.get_int("PADDLE_TRAINER_ID"))
     run_script(argv[1], argv[2:], module=bool(setup.get("module")))
 
 
@@ -256,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         logs.write_endpoints(setup.log_dir, list(known))
     _redirect_output(logs.worker_log(setup.log_dir, rank), fresh=not restarted)
     if not restarted:
-        _forget_throughput(setup.log_dir, rank)
+        _forget_earlier_reports(setup.log_dir, rank)
     run_script(script, args, module=setup.module)
 
 

@@ -117,26 +117,22 @@ def _node_range(value: Any) -> Optional[str]:
     return None
 
 
-def _dns_label(value: Any) -> Optional[str]:
-    """A Kubernetes name that may prefix pod host names: an RFC 1035 label of at most 40
-    characters (a pod's host name, ``<name>-worker-<index>``, must stay within 63)."""
-    if value is None:
-        return None
-    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", str(value)):
-        return (f"{value!r} is not a Kubernetes name: lower-case letters, digits and '-', "
-                f"starting with a letter, not ending with '-', at most 40 characters")
-    return None
+def _k8s_label(pattern: str, what: str, rules: str) -> Callable[[Any], Optional[str]]:
+    """A check that a value (when given) is a Kubernetes label matching ``pattern``."""
+    def check(value: Any) -> Optional[str]:
+        if value is None or re.fullmatch(pattern, str(value)):
+            return None
+        return f"{value!r} is not a Kubernetes {what}: lower-case letters, digits and '-', {rules}"
+    return check
 
 
-def _namespace(value: Any) -> Optional[str]:
-    """A Kubernetes namespace: an RFC 1123 label (at most 63 characters, may start with a
-    digit)."""
-    if value is None:
-        return None
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", str(value)):
-        return (f"{value!r} is not a Kubernetes namespace: lower-case letters, digits and '-', "
-                f"not starting or ending with '-', at most 63 characters")
-    return None
+# A name that prefixes pod host names: an RFC 1035 label of at most 40 characters (a pod's host
+# name, ``<name>-worker-<index>``, must stay within 63).
+_dns_label = _k8s_label(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", "name",
+                        "starting with a letter, not ending with '-', at most 40 characters")
+# A namespace: an RFC 1123 label (at most 63 characters, may start with a digit).
+_namespace = _k8s_label(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", "namespace",
+                        "not starting or ending with '-', at most 63 characters")
 
 
 def _ranks(text: str) -> Any:

@@ -173,13 +173,18 @@ def _pytorchjob(config: LaunchConfig, name: str, namespace: str) -> dict:
 
 
 # -- parameter server: Secret, headless Service, an indexed Job per role ------------------------
+def _given(config: LaunchConfig, name: str) -> Any:
+    """The flag's value when it differs from its default, else None."""
+    value = getattr(config, name)
+    return value if value != LaunchConfig.__dataclass_fields__[name].default else None
+
+
 def _ps_refuse(config: LaunchConfig) -> None:
     given = {"--nproc_per_node": config.nproc_per_node, "--gpus": config.gpus,
              "--nnodes": config.nnodes,
              "--max_restarts": config.max_restarts or None,
              "--log_ranks": config.log_ranks, "--tee": config.tee or None,
-             "--log_dir": config.log_dir if config.log_dir != "log" else None,
-             "--backend": config.backend if config.backend != "auto" else None}
+             "--log_dir": _given(config, "log_dir"), "--backend": _given(config, "backend")}
     for flag, value in given.items():
         if value is not None:
             raise ConfigError(flag, "makes no sense with --k8s in a parameter-server job: each "

@@ -742,10 +742,9 @@ class CommunicatorConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name == "independent_recv_thread":
-                _require(isinstance(self.independent_recv_thread, bool),
-                         f"CommunicatorConfig.independent_recv_thread="
-                         f"{self.independent_recv_thread!r}: expected a bool")
+            if isinstance(f.default, bool):
+                _require(isinstance(getattr(self, f.name), bool),
+                         f"CommunicatorConfig.{f.name}={getattr(self, f.name)!r}: expected a bool")
                 continue
             v, low = getattr(self, f.name), 0 if f.name == "send_wait_times" else 1
             _require(isinstance(v, int) and not isinstance(v, bool) and v >= low,
@@ -754,8 +753,8 @@ class CommunicatorConfig:
     @classmethod
     def from_a_sync_configs(cls, configs: Mapping[str, Any]) -> "CommunicatorConfig":
         names = {f.name for f in fields(cls)}
-        kw = {k: v if k == "independent_recv_thread" else int(v)
-              for k, v in configs.items() if k in names}
+        flags = {f.name for f in fields(cls) if isinstance(f.default, bool)}
+        kw = {k: v if k in flags else int(v) for k, v in configs.items() if k in names}
         if kw.get("k_steps", 1) <= 0:
             kw.pop("k_steps")
         return cls(**kw)
