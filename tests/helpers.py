@@ -1,5 +1,5 @@
 """What several test folders share (no tests here): loopback ports, an example's modules, a
-finished request.
+finished request, and processes forked from a server that imported torch and fleetx once.
 
 Import it as the tests import their neighbours, by putting this folder on ``sys.path``::
 
@@ -8,9 +8,18 @@ Import it as the tests import their neighbours, by putting this folder on ``sys.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import json
+import multiprocessing
+import os
+import runpy
 import socket
+import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Iterator
 
@@ -62,3 +71,97 @@ class Done:
 
     def done(self) -> bool:
         return True
+
+
+#: what the fork server of :func:`preloaded` imports once, so the processes it forks start with
+#: torch and fleetx loaded (a fresh interpreter spends about three CPU seconds importing them)
+PRELOAD = ["torch", "torch.distributed", "fleetx.fleet", "fleetx.parallel", "fleetx.metrics"]
+
+
+def preloaded():
+    """The ``multiprocessing`` context whose processes are forked from a fork server that
+    imported :data:`PRELOAD` (it starts at its first use in this process and stays). The server
+    never runs a tensor operation, so no thread pool exists when it forks."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def as_if_spawned_from(parent: int, environ: dict) -> None:
+    """Make a process forked from the fork server look like one the test ``parent`` started:
+    its environment now (not the server's, from the server's start) and its stdout and stderr
+    (pytest's capture of the test running now, so the output shows where the test fails)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd in (1, 2):
+        try:
+            target = os.open(f"/proc/{parent}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        os.dup2(target, fd)
+        os.close(target)
+
+
+@functools.lru_cache(maxsize=None)
+def _fresh_path(pythonpath: str) -> tuple:
+    """``sys.path`` of a fresh interpreter after its first entry, under ``PYTHONPATH``."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    out = subprocess.run([sys.executable, "-c", "import sys, json; print(json.dumps(sys.path[1:]))"],
+                         env=env, capture_output=True, text=True, check=True, timeout=60)
+    return tuple(json.loads(out.stdout))
+
+
+def _script_main(argv: list, cwd: str, environ: dict, out: str, err: str, path: list) -> None:
+    for fd, name in ((1, out), (2, err)):
+        target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.argv = list(argv)
+    sys.path[:] = path
+    code = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:  # as the interpreter does: the traceback on stderr, status 1
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # an interpreter's exit runs them; multiprocessing's does not
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_script(argv: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
+    text=True, timeout=timeout)`` in a process forked from :func:`preloaded`'s server: the script
+    runs as ``__main__`` with the same ``sys.argv``, ``sys.path`` (its folder, then
+    ``PYTHONPATH``, then the interpreter's own), working directory, environment and exit
+    status as under a fresh interpreter, but torch and fleetx are imported already.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran longer than ``timeout`` seconds (it is killed).
+    """
+    script = Path(cwd, argv[0]).resolve()
+    path = [str(script.parent), *_fresh_path(env.get("PYTHONPATH", ""))]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = preloaded().Process(target=_script_main,
+                                   args=([str(script), *argv[1:]], str(cwd), dict(env), out, err,
+                                         path))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
+        return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode,
+                                           Path(out).read_text(errors="replace"),
+                                           Path(err).read_text(errors="replace"))
