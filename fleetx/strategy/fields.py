@@ -11,23 +11,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetx.strategy.a_sync import AsyncConfig
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDConfig
-from fleetx.strategy.amp import AmpConfig
+from fleetx.strategy.algorithms.a_sync import AsyncConfig
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDConfig
+from fleetx.strategy.algorithms.amp import AmpConfig
+from fleetx.strategy.algorithms.dgc import DGCConfig
+from fleetx.strategy.algorithms.gradient_merge import GradientMergeConfig
+from fleetx.strategy.algorithms.gradient_scale import GradientScaleConfig
+from fleetx.strategy.algorithms.hybrid import HybridConfig
+from fleetx.strategy.algorithms.lamb import LambConfig
+from fleetx.strategy.algorithms.lars import LarsConfig
+from fleetx.strategy.algorithms.localsgd import LocalSGDConfig
+from fleetx.strategy.algorithms.pipeline import PipelineConfig
+from fleetx.strategy.algorithms.recompute import RecomputeConfig
+from fleetx.strategy.algorithms.sharding import ShardingConfig
+from fleetx.strategy.algorithms.tensor_parallel import TensorParallelConfig
+from fleetx.strategy.algorithms.trainer_desc import TrainerDescConfig
 from fleetx.strategy.build import BuildStrategy, ExecutionStrategy
 from fleetx.strategy.config import Config, option, unknown_name, warn_old_name
-from fleetx.strategy.dgc import DGCConfig
-from fleetx.strategy.gradient_merge import GradientMergeConfig
-from fleetx.strategy.gradient_scale import GradientScaleConfig
-from fleetx.strategy.hybrid import HybridConfig
-from fleetx.strategy.lamb import LambConfig
-from fleetx.strategy.lars import LarsConfig
-from fleetx.strategy.localsgd import LocalSGDConfig
-from fleetx.strategy.pipeline import PipelineConfig
-from fleetx.strategy.recompute import RecomputeConfig
-from fleetx.strategy.sharding import ShardingConfig
-from fleetx.strategy.tensor_parallel import TensorParallelConfig
-from fleetx.strategy.trainer_desc import TrainerDescConfig
 
 __all__ = ["TopLevelConfig", "MESSAGES", "BAGS", "FIELDS", "SPELLINGS", "ALIASES",
            "resolve_name"]

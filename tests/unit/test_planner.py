@@ -7,9 +7,9 @@ import torch
 from fleetx import DistributedStrategy
 
 from fleetx.strategy import api
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
 from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, PlanInput, Strategy,
                                  StrategyError, Verdict, WorldInfo, register, registered)
-from fleetx.strategy.data_parallel import DataParallelStrategy
 from fleetx.strategy.planner import make_plan, plan_for
 
 

@@ -21,12 +21,12 @@ from fleetx.fleet.fleet import Fleet
 from fleetx.fleet.pipeline import pipeline_model
 from fleetx.parallel.pipeline import PipelineLayer
 from fleetx.role_maker import UserDefinedRoleMaker
+from fleetx.strategy.algorithms.tensor_parallel import init_seed
 from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, PlanInput, StrategyError,
                                  TrainingContext, WorldInfo, registered)
 from fleetx.strategy.config import recording_reads
 from fleetx.strategy.distributed_strategy import MESSAGES, DistributedStrategy, TopLevelConfig
 from fleetx.strategy.planner import load_strategies, make_plan
-from fleetx.strategy.tensor_parallel import init_seed
 
 GM2 = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2, "avg": False}}
 # Settings under which each strategy applies (what they read is recorded, not listed here).

@@ -34,9 +34,9 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy, refuse_split_model
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
 
 __all__ = ["LocalSGDConfig", "LocalSGDStrategy", "check_local_sgd", "model_parameters"]
 

@@ -27,21 +27,21 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from fleetx.strategy.a_sync import ParameterServerStrategy
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
-from fleetx.strategy.amp import AmpStrategy
+from fleetx.strategy.algorithms.a_sync import ParameterServerStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.amp import AmpStrategy
+from fleetx.strategy.algorithms.comm_groups import CommGroupsStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.dgc import DGCStrategy
+from fleetx.strategy.algorithms.fp16_allreduce import Fp16AllReduceStrategy
+from fleetx.strategy.algorithms.gradient_merge import GradientMergeStrategy
+from fleetx.strategy.algorithms.hierarchical_allreduce import HierarchicalAllReduceStrategy
+from fleetx.strategy.algorithms.lamb import LambStrategy
+from fleetx.strategy.algorithms.lars import LarsStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
+from fleetx.strategy.algorithms.sync_batch_norm import SyncBatchNormStrategy
 from fleetx.strategy.api import (OptimizerInfo, PlanInput, Strategy, TrainingContext, Verdict,
                                  register)
-from fleetx.strategy.comm_groups import CommGroupsStrategy
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.dgc import DGCStrategy
-from fleetx.strategy.fp16_allreduce import Fp16AllReduceStrategy
-from fleetx.strategy.gradient_merge import GradientMergeStrategy
-from fleetx.strategy.hierarchical_allreduce import HierarchicalAllReduceStrategy
-from fleetx.strategy.lamb import LambStrategy
-from fleetx.strategy.lars import LarsStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
-from fleetx.strategy.sync_batch_norm import SyncBatchNormStrategy
 
 __all__ = ["BuildStrategyOptions", "ExecutionStrategyOptions", "changed_fields"]
 

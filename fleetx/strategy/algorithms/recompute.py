@@ -30,10 +30,10 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.sync_batch_norm import SyncBatchNormStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.sync_batch_norm import SyncBatchNormStrategy
 
 __all__ = ["RecomputeConfig", "RecomputeStrategy", "recompute", "checkpoint_modules",
            "unknown_modules"]

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetx.optim import Lamb, check_exclusions, ends_with, split_groups
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
 
 __all__ = ["LambConfig", "LambStrategy"]
 

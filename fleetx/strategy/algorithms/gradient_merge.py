@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register)
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
 from fleetx.strategy.topology import resolve
 
 __all__ = ["GradientMergeConfig", "GradientMergeStrategy"]

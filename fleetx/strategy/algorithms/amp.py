@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from fleetx.amp import LossScaler, PrecisionHooks, low_precision_dtype, resolve
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.gradient_merge import GradientMergeStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register)
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.gradient_merge import GradientMergeStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
 
 __all__ = ["AmpConfig", "AmpStrategy", "cpu_has_fast_bf16", "fast_bf16_flags"]
 
