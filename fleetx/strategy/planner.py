@@ -23,10 +23,11 @@ __all__ = ["make_plan", "plan_for", "load_strategies"]
 
 def load_strategies() -> None:
     """Import every module of :mod:`fleetx.strategy.algorithms`; each registers its
-    ``Strategy`` class.
+    ``Strategy`` class (and claims the model types it wraps).
 
     Adding a strategy therefore touches only its own module (and its ``DistributedStrategy``
-    field): nothing here lists them.
+    field): nothing here lists them. A strategy defined elsewhere is planned once its module
+    is imported (``@register`` runs then).
     """
     for info in pkgutil.iter_modules(fleetx.strategy.algorithms.__path__):
         if not info.name.startswith("_"):

@@ -141,3 +141,16 @@ def test_docstring_examples_run(name):
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
 
+
+
+def test_each_strategy_names_its_config_class():
+    from fleetx.strategy.api import registered
+    from fleetx.strategy.planner import load_strategies
+
+    load_strategies()
+    for cls in registered():
+        if f"{cls.name}_configs" in MESSAGES:
+            assert cls.config is MESSAGES[f"{cls.name}_configs"], cls.name
+        if cls.config is not None:
+            assert MESSAGES[cls.config.section] is cls.config, cls.name
+    assert registered("parameter_server").config is MESSAGES["a_sync_configs"]

@@ -141,6 +141,8 @@ class AdaptiveLocalSGDStrategy(Strategy):
     """Local SGD whose averaging interval follows the learning rate and the loss."""
 
     name = "adaptive_localsgd"
+    config = AdaptiveLocalSGDConfig
+    paddle_name = "AdaptiveLocalSGDOptimizer"
     requires = (DataParallelStrategy,)
     conflicts = (LocalSGDStrategy,)
 

@@ -293,6 +293,8 @@ class DGCStrategy(Strategy):
     """
 
     name = "dgc"
+    config = DGCConfig
+    paddle_name = "DGCOptimizer"
     requires = (DataParallelStrategy,)
     # amp: the loss scale would be baked into the residuals, and one inf step would poison them
     # for good. lars: compressed updates bypass its layer-wise rate. Local SGD: gradients are not

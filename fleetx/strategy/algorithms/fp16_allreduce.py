@@ -53,6 +53,7 @@ class Fp16AllReduceStrategy(Strategy):
     """
 
     name = "fp16_allreduce"
+    paddle_name = "FP16AllReduceOptimizer"
     requires = (DataParallelStrategy,)
     # Codecs nest in plan order, first outermost: DGC sparsifies the full-precision gradients and
     # this cast carries the dense rest. After the step schedules (gradient merge, local SGD),

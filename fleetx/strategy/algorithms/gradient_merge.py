@@ -75,6 +75,8 @@ class GradientMergeStrategy(Strategy):
     """Accumulate ``k_steps`` micro-steps locally; communicate and step once."""
 
     name = "gradient_merge"
+    config = GradientMergeConfig
+    paddle_name = "GradientMergeOptimizer"
     # On top of data parallel: it decides on which micro-steps DDP synchronises.
     runs_after = (DataParallelStrategy,)
     # Local SGD already steps without communicating; which micro-steps would count as its steps

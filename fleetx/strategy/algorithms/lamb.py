@@ -50,6 +50,8 @@ class LambStrategy(Strategy):
     """Replace the Adam optimizer by LAMB."""
 
     name = "lamb"
+    config = LambConfig
+    paddle_name = "LambOptimizer"
     runs_after = (DataParallelStrategy,)  # no data dependency: listed after the engine
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

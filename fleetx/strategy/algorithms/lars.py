@@ -49,6 +49,8 @@ class LarsStrategy(Strategy):
     """Replace the Momentum optimizer by LARS momentum."""
 
     name = "lars"
+    config = LarsConfig
+    paddle_name = "LarsOptimizer"
     # No data dependency: listed after the data-parallel engine and after local SGD, which
     # decides which steps are synchronised, as the other strategies acting on the step are.
     runs_after = (DataParallelStrategy, LocalSGDStrategy, AdaptiveLocalSGDStrategy)

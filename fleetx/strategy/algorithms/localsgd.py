@@ -127,6 +127,8 @@ class LocalSGDStrategy(Strategy):
     """DDP until ``begin_step``, then local steps and a parameter average every ``k_steps``."""
 
     name = "localsgd"
+    config = LocalSGDConfig
+    paddle_name = "LocalSGDOptimizer"
     requires = (DataParallelStrategy,)
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

@@ -6,12 +6,25 @@ and ``fleet.distributed_model`` returns a ``PipelineParallel`` whose ``train_bat
 mini-batch into ``accumulate_steps`` micro-batches of ``micro_batch_size`` samples and runs them
 ``1F1B`` or ``FThenB`` (:mod:`fleetx.parallel.schedule`). The ``strategy.pipeline`` switch is the
 static graph's and has no effect (declared in ``fields.py``).
-"""
-from dataclasses import dataclass
 
+This module claims ``PipelineLayer`` for that wrapper
+(:func:`~fleetx.strategy.api.register_model_type`): the stage is planned as the job's model and
+every forward runs in the training context's forward context, so ``amp`` reaches the pipeline
+as it reaches any model (its autocast and op lists), without the pipeline reading its switch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Optional
+
+from fleetx.comm.groups import default_timeout
+from fleetx.parallel.hcg import get_hcg
+from fleetx.parallel.pipeline import PipelineLayer
+from fleetx.parallel.pipeline_parallel import PipelineParallel
+from fleetx.strategy.api import TrainingContext, register_model_type
 from fleetx.strategy.config import Config, option
 
-__all__ = ["PipelineConfig"]
+__all__ = ["PipelineConfig", "pipeline_model"]
 
 
 @dataclass
@@ -38,3 +51,38 @@ class PipelineConfig(Config):
     p2p_cache_shape: bool = option(
         True, "Send the tensor shapes between stages once per mini-batch (the first "
         "micro-batch's), not with every micro-batch.")
+
+
+def pipeline_model(layers: PipelineLayer, strategy: Any,
+                   forward_context: Optional[Callable[[], ContextManager]] = None
+                   ) -> PipelineParallel:
+    """``layers`` under the schedule of ``strategy.pipeline_configs``.
+
+    Args:
+        layers: this process's stage.
+        strategy: the fleet's ``DistributedStrategy``.
+        forward_context: returns the context every forward runs in: the training context's
+            (amp's autocast and op lists, when amp applies); None runs them as they are.
+
+    With ``dp_degree > 1`` the stage's gradients are averaged over the hybrid topology's
+    data-parallel group in every ``train_batch``.
+    """
+    cfg = strategy.typed_config("pipeline")
+    hcg = get_hcg()
+    dp_group = (hcg.get_data_parallel_group()
+                if hcg is not None and hcg.get_data_parallel_world_size() > 1 else None)
+    return PipelineParallel(layers, micro_batch_size=cfg.micro_batch_size,
+                            accumulate_steps=cfg.accumulate_steps,
+                            schedule_mode=cfg.schedule_mode, p2p_cache_shape=cfg.p2p_cache_shape,
+                            timeout=default_timeout(), dp_group=dp_group,
+                            forward_context=forward_context)
+
+
+def _build(layers: PipelineLayer, strategy: Any,
+           context: Callable[[], TrainingContext]) -> PipelineParallel:
+    """What ``fleet.distributed_model`` returns for a stage: forwards in the context's forward
+    context, looked up at each forward (a re-plan replaces the context)."""
+    return pipeline_model(layers, strategy, forward_context=lambda: context().forward_context())
+
+
+register_model_type(PipelineLayer, _build)

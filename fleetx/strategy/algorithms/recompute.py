@@ -155,6 +155,8 @@ class RecomputeStrategy(Strategy):
     """Checkpoint the named sub-modules with ``torch.utils.checkpoint`` (non-reentrant)."""
 
     name = "recompute"
+    config = RecomputeConfig
+    paddle_name = "RecomputeOptimizer"
     # Names are resolved on the plain model: after SyncBatchNorm swaps its layers (a named
     # batch-norm layer must be the swapped one) and before DDP hides the model under "module.".
     runs_after = (SyncBatchNormStrategy,)

@@ -131,6 +131,8 @@ class ShardingStrategy(Strategy):
     (under data parallel), stages 2 and 3 with FSDP2 ``fully_shard`` (instead of it)."""
 
     name = "sharding"
+    config = ShardingConfig
+    paddle_name = "ShardingOptimizer"
     # Rebuild the optimizer that LARS / LAMB chose; shard the modules recompute names (it
     # resolves them on the plain model, whose names FSDP2 keeps).
     runs_after = (LarsStrategy, LambStrategy, RecomputeStrategy)
