@@ -117,7 +117,7 @@ def expected_bytes(model: nn.Module, n: int, dgc: bool, sparsity: float = 0.999)
         n: ranks.
         dgc: DGC after ramp-up at ``sparsity`` (else dense data parallel).
     """
-    from fleetx.strategy.dgc import compressible
+    from fleetx.strategy.algorithms.dgc import compressible
     params = [p for p in model.parameters() if p.requires_grad]
     if not dgc:
         return ring_all_reduce(n, 4 * sum(p.numel() for p in params))

@@ -9,7 +9,7 @@ autocast lacks:
 * :mod:`~fleetx.amp.precision`: Paddle's op names mapped onto ``torch.nn`` module types, and the
   forward hooks that keep black-listed modules in float32 and white-listed ones in low precision.
 
-The ``amp`` strategy (``fleetx/strategy/amp.py``) puts them together.
+The ``amp`` strategy (``fleetx/strategy/algorithms/amp.py``) puts them together.
 
 What it may import: torch and its own modules; no other fleetx package (``strategy`` imports it,
 not the reverse), so both pieces can be used without a fleet.

@@ -5,38 +5,29 @@ Paddle's static ``minimize`` chains *meta optimizers* (one class per strategy sw
 the chain; scripts and tests written for Paddle read it back to check what ran. fleetx applies
 strategies, not meta optimizers, so these functions translate the plan: the strategy with every
 meta-optimizer switch that did not apply turned off, and the Paddle class name of each applied
-strategy, in the order fleetx applies them.
+strategy, in the order fleetx applies them. Each strategy class names its Paddle class
+(``paddle_name``, or ``paddle_graph_name`` for data parallel's graph optimizer).
 """
 from __future__ import annotations
 
 import copy
 from typing import Any
 
-from fleetx.strategy.api import Plan
+from fleetx.strategy.api import Plan, registered
+from fleetx.strategy.planner import load_strategies
 
-__all__ = ["META_OPTIMIZERS", "GRAPH_OPTIMIZERS", "final_strategy", "meta_list", "graph_list"]
+__all__ = ["final_strategy", "meta_list", "graph_list"]
 
-#: plan name -> Paddle 2.2 meta-optimizer class (python/paddle/distributed/fleet/meta_optimizers).
-META_OPTIMIZERS = {
-    "amp": "AMPOptimizer",
-    "recompute": "RecomputeOptimizer",
-    "gradient_merge": "GradientMergeOptimizer",
-    "lars": "LarsOptimizer",
-    "lamb": "LambOptimizer",
-    "dgc": "DGCOptimizer",
-    "localsgd": "LocalSGDOptimizer",
-    "adaptive_localsgd": "AdaptiveLocalSGDOptimizer",
-    "fp16_allreduce": "FP16AllReduceOptimizer",
-    "pipeline": "PipelineOptimizer",
-    "sharding": "ShardingOptimizer",
-    "tensor_parallel": "TensorParallelOptimizer",
-    "without_graph_optimization": "RawProgramOptimizer",
-    "asp": "ASPOptimizer",
-    "parameter_server": "ParameterServerOptimizer",
-}
+# Switches of Paddle meta optimizers that fleetx has no strategy for (each declared without
+# effect): they never apply, so the final strategy turns them off as it does any meta
+# optimizer's switch that did not apply.
+_SWITCHES_WITHOUT_STRATEGY = ("pipeline", "tensor_parallel", "without_graph_optimization", "asp")
 
-#: plan name -> Paddle's graph optimizer: data parallel is its GraphExecutionOptimizer.
-GRAPH_OPTIMIZERS = {"data_parallel": "GraphExecutionOptimizer"}
+
+def _strategies() -> dict[str, type]:
+    """The registered strategy classes by name (the plan's names)."""
+    load_strategies()
+    return {cls.name: cls for cls in registered()}
 
 
 def final_strategy(strategy: Any, plan: Plan) -> Any:
@@ -48,7 +39,8 @@ def final_strategy(strategy: Any, plan: Plan) -> Any:
     """
     final = copy.deepcopy(strategy)
     applied = set(plan.applied)
-    for name in META_OPTIMIZERS:
+    switches = [name for name, cls in _strategies().items() if cls.paddle_name]
+    for name in switches + list(_SWITCHES_WITHOUT_STRATEGY):
         # ``parameter_server`` has no switch of its own (a_sync chooses its mode, not whether
         # it runs), so only real switches are turned off.
         if hasattr(final, name) and getattr(final, name) is True and name not in applied:
@@ -58,9 +50,13 @@ def final_strategy(strategy: Any, plan: Plan) -> Any:
 
 def meta_list(plan: Plan) -> list[str]:
     """Paddle's class names of the applied meta optimizers, in application order."""
-    return [META_OPTIMIZERS[name] for name in plan.applied if name in META_OPTIMIZERS]
+    known = _strategies()
+    return [known[name].paddle_name for name in plan.applied
+            if name in known and known[name].paddle_name]
 
 
 def graph_list(plan: Plan) -> list[str]:
     """Paddle's class names of the applied graph optimizers."""
-    return [GRAPH_OPTIMIZERS[name] for name in plan.applied if name in GRAPH_OPTIMIZERS]
+    known = _strategies()
+    return [known[name].paddle_graph_name for name in plan.applied
+            if name in known and known[name].paddle_graph_name]

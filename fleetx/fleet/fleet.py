@@ -26,15 +26,13 @@ from fleetx.fleet.hybrid import HybridQueries
 from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
-from fleetx.fleet.pipeline import pipeline_model
-from fleetx.parallel.pipeline import PipelineLayer
 from fleetx.fleet.trial import apply_plan, run_trial
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
 from fleetx.fleet.util import UtilBase
 from fleetx.strategy.api import (Mode, Plan, StrategyError, TrainingContext, WorldInfo,
-                                 registered)
+                                 model_builder, registered)
 from fleetx.strategy.distributed_strategy import DistributedStrategy
-from fleetx.strategy.planner import plan_for
+from fleetx.strategy.planner import load_strategies, plan_for
 
 __all__ = ["Fleet", "FleetError", "RuntimeHandlerError"]
 
@@ -55,7 +53,8 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._comm: Optional[ProcessGroups] = None
         self._backend: Optional[str] = None
         self._models: list = []
-        self._stages: list = []  # the PipelineLayers given to distributed_model
+        # models a strategy module wrapped itself (register_model_type: a pipeline's stage)
+        self._claimed: list = []
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._dist_optimizer: Optional[DistributedOptimizer] = None
         self._ctx: Optional[TrainingContext] = None
@@ -114,7 +113,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             self._shutdown()  # a re-init into another world leaves the old one
         self._role_maker = role_maker
         self._ctx, self._plan, self._models, self._search = None, None, [], None
-        self._stages = []
+        self._claimed = []
         self._optimizer, self._dist_optimizer = None, None
         self._warned = set()
         if role_maker.is_collective:
@@ -208,7 +207,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
     def _build_context(self) -> TrainingContext:
         world = self._world()
         model = self._models[-1].module if self._models else (
-            self._stages[-1] if self._stages else None)
+            self._claimed[-1] if self._claimed else None)
         plan = plan_for(self._strategy, world, model, self._optimizer)
         if self._dry_run() and self._optimizer is not None:
             print(plan, flush=True)
@@ -245,8 +244,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
     def distributed_model(self, model: torch.nn.Module) -> DistributedModel:
         """Wrap ``model`` so the plan's strategies run on it (DDP with more than one process).
 
-        A ``PipelineLayer`` gets a ``PipelineParallel`` (``train_batch`` / ``eval_batch``) run
-        with ``pipeline_configs`` instead.
+        A model whose type a strategy module claims gets that module's wrapper instead: a
+        ``PipelineLayer`` gets a ``PipelineParallel`` (``train_batch`` / ``eval_batch``) run with
+        ``pipeline_configs``.
 
         The wrapper builds its engine at the first forward, so it may still be moved to a device;
         a strategy that shards the model (sharding stage 2 or 3) changes it here, in place, so
@@ -260,13 +260,14 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"fleet.distributed_model expects a torch.nn.Module, "
                              f"got {type(model).__name__}")
-        if isinstance(model, PipelineLayer):  # its stage runs through the pipeline's schedule
-            self._stages.append(model)
-            self._ctx = None  # re-plan with the stage as the model (amp's op lists hook it)
+        load_strategies()  # the strategy modules claim their model types as they load
+        build = model_builder(model)
+        if build is not None:  # it runs by its own schedule (a pipeline's stage)
+            self._claimed.append(model)
+            self._ctx = None  # re-plan with it as the model (amp's op lists hook it)
             if self._dist_optimizer is not None:  # both must share one context
                 self._dist_optimizer._ctx = self._build_context()
-            return pipeline_model(model, self._strategy, self.local_device().type,
-                                  forward_context=lambda: self._context().forward_context())
+            return build(model, self._strategy, self._context)
         wrapped = DistributedModel(model, self._context)
         self._models.append(wrapped)
         self._ctx = None  # re-plan with the model known
@@ -320,7 +321,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._optimizer = optimizer
         ctx = self._build_context()
         self._dist_optimizer = DistributedOptimizer(
-            ctx, modules=lambda: [m.module for m in self._models] + self._stages)
+            ctx, modules=lambda: [m.module for m in self._models] + self._claimed)
         self._track_steps(self._dist_optimizer)
         return self._dist_optimizer
 

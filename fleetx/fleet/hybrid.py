@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fleetx.fleet.api import FleetError
 from fleetx.parallel.hcg import HybridCommunicateGroup, get_hcg, set_hcg
 from fleetx.parallel.random import agreed_seed, model_parallel_random_seed
-from fleetx.strategy.tensor_parallel import init_seed
+from fleetx.strategy.algorithms.tensor_parallel import init_seed
 from fleetx.strategy.topology import resolve
 
 __all__ = ["HybridQueries"]

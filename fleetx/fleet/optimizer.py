@@ -158,21 +158,19 @@ class DistributedOptimizer(OptimizerWrapper):
             gradient-merge micro-step before the last (nothing clipped).
 
         Raises:
-            ValueError: ``norm_type`` is not positive, or ``amp`` scales the loss (the gradients
-                are still scaled before the step).
+            ValueError: ``norm_type`` is not positive, or a strategy's ``before_clip`` hook
+                refuses (``amp``: the gradients are still scaled before the step).
 
         Example:
             >>> opt.backward(loss)
             >>> norm = opt.clip_grad_norm_(1.0)
             >>> opt.step(); opt.zero_grad()
         """
-        if "get_loss_scaling" in self._ctx.optimizer_methods:
-            raise ValueError("clip_grad_norm_ with strategy.amp: the gradients still carry the "
-                             "loss scale before the step, so their norm is not the model's; "
-                             "turn amp off to clip")
+        params = [p for group in self.inner.param_groups for p in group["params"]]
+        for prepare in self._ctx.before_clip:
+            prepare(params)
         if any(partial() for partial in self._ctx.partial_gradients):
             return None
-        params = [p for group in self.inner.param_groups for p in group["params"]]
         return clip_grad_norm_(params, max_norm, norm_type, modules=self._modules(),
                                error_if_nonfinite=error_if_nonfinite)
 

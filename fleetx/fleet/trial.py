@@ -21,8 +21,8 @@ import torch
 
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
+from fleetx.strategy.algorithms.auto import Measurement, held_bytes
 from fleetx.strategy.api import Plan, TrainingContext, WorldInfo, registered
-from fleetx.strategy.auto import Measurement, held_bytes
 from fleetx.strategy.measured import SavedForBackward
 from fleetx.strategy.planner import plan_for
 

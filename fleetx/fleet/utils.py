@@ -9,6 +9,6 @@ Example:
 """
 from fleetx.fleet import ps_util
 from fleetx.fleet.ps_util import DistributedInfer
-from fleetx.strategy.recompute import recompute
+from fleetx.strategy.algorithms.recompute import recompute
 
 __all__ = ["recompute", "ps_util", "DistributedInfer"]

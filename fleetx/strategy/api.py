@@ -5,20 +5,28 @@ A *strategy* is one algorithm a user switches on through :class:`DistributedStra
 (``strategy.amp = True``...). Each lives in its own module as a :class:`Strategy` subclass
 registered with :func:`register`. It declares
 
-* ``name``: the ``DistributedStrategy`` switch it answers to,
+* ``name``: the ``DistributedStrategy`` switch it answers to, and ``config``: its typed
+  ``*_configs`` class, where it has one,
 * ``requires`` / ``conflicts``: other strategy classes it needs or cannot run beside,
 * ``runs_after`` / ``runs_before``: strategies that, when both apply, must install their hooks
   before / after it (a strategy also runs after what it ``requires``, unless it says
-  ``runs_before`` of it),
+  ``runs_before`` of it); ``runs_last``: after every other applied strategy,
+* ``paddle_name`` / ``paddle_graph_name``: the class Paddle 2.2 runs for the switch (a meta or
+  a graph optimizer), which ``fleet._get_applied_meta_list()`` and ``_graph_list()`` report,
 * ``can_apply(world)``: a *pure* judgement (:class:`Verdict`) from the :class:`PlanInput`,
 * ``apply(ctx)``: the change it makes, only through the hook points of :class:`TrainingContext`.
 
-The planner (``planner.py``) turns a strategy object and a world into a :class:`Plan` without
+The strategies themselves live in :mod:`fleetx.strategy.algorithms`, one module each. The
+planner (``planner.py``) turns a strategy object and a world into a :class:`Plan` without
 running anything; the fleet engine then calls ``apply`` on each planned strategy in order. The
 order comes from the declared relations alone (:func:`sort_strategies`: a topological sort,
 ties broken by name); a cycle is an :class:`OrderError` naming it. The planner's inputs and
 outputs (:class:`WorldInfo` ... :class:`Plan`) are defined in ``plan.py`` and imported from
 here.
+
+A model type that trains by its own schedule (a pipeline stage) is claimed by the module that
+knows it with :func:`register_model_type`: ``fleet.distributed_model`` then returns that
+module's wrapper, built from the training context, and names no model type itself.
 """
 from __future__ import annotations
 
@@ -36,7 +44,8 @@ from fleetx.strategy.plan import (Mode, ModelInfo, OptimizerInfo, Plan, PlanEntr
 __all__ = [
     "Mode", "WorldInfo", "ModelInfo", "OptimizerInfo", "PlanInput", "Verdict", "PlanEntry",
     "Plan", "Strategy", "StrategyError", "TrainingContext", "register", "registered",
-    "RegistryError", "OrderError", "train_only", "sort_strategies",
+    "RegistryError", "OrderError", "train_only", "sort_strategies", "unregister",
+    "register_model_type", "model_builder",
 ]
 
 
@@ -81,13 +90,17 @@ class TrainingContext:
     * ``partial_gradients``: ``fn() -> bool``; any ``True`` says the gradients after this
       backward are only part of an update, neither complete nor synchronised (a gradient-merge
       micro-step before its last): ``clip_grad_norm_`` then leaves them alone.
+    * ``before_clip``: ``fn(params) -> None`` run in plan order by the optimizer wrapper's
+      ``clip_grad_norm_`` before anything else, with the parameters whose gradients it clips: a
+      strategy whose gradients do not hold the model's values yet brings them there (unscales
+      them, as ``GradScaler.unscale_`` does) or raises when it cannot (amp refuses today).
     * ``sync_gradients``: ``fn() -> bool``; ``False`` runs the next backward under ``no_sync``.
       Strategies wrap the one in place (``prev() and mine()``) rather than replace it.
     * ``loss_listeners``: ``fn(loss) -> None`` told the loss of every backward run through the
       optimizer wrapper (``minimize`` / ``backward``), before the backward runs.
     * ``lr_listeners``: ``fn(lr) -> None`` told when the user sets a new learning rate.
     * ``optimizer_methods``: extra methods of the optimizer wrapper, by name (Paddle's
-      ``get_loss_scaling`` for example).
+      ``get_loss_scaling`` for example); the wrapper calls none of them itself.
     * ``state``: per-strategy state, keyed by strategy name (saved with the optimizer).
     * ``scalars``: ``fn() -> float | None`` by column name of :data:`fleetx.observe.COLUMNS`
       (``loss_scale``, ``dgc_sparsity``, ``ps_pull_p50_ms``...): what ``fleet.observe`` logs
@@ -118,6 +131,7 @@ class TrainingContext:
         self.after_step: list[Callable[[], None]] = []
         self.zero_grad_guards: list[Callable[[], bool]] = []
         self.partial_gradients: list[Callable[[], bool]] = []
+        self.before_clip: list[Callable[[list], None]] = []
         self.sync_gradients: Callable[[], bool] = lambda: True
         self.loss_listeners: list[Callable[[Any], None]] = []
         self.lr_listeners: list[Callable[[float], None]] = []
@@ -149,11 +163,18 @@ class Strategy(abc.ABC):
 
     Subclasses set ``name`` (the ``DistributedStrategy`` switch) and optionally:
 
+    * ``config``: its typed config class (``AmpConfig``, read as ``strategy.amp_configs``);
+    * ``paddle_name``: the meta optimizer Paddle 2.2 runs for the switch (``"AMPOptimizer"``),
+      listed by ``fleet._get_applied_meta_list()`` when the strategy applies, and whose switch
+      ``fleet._final_strategy()`` turns off when it does not; ``paddle_graph_name``: Paddle's
+      graph optimizer instead (``_get_applied_graph_list()``);
     * ``requires``: strategies that must apply with it (it also runs after them);
     * ``conflicts``: strategies it cannot be switched on beside, at any world size (declare
       the pair on one side; the planner checks both directions);
     * ``runs_after`` / ``runs_before``: strategies whose hooks must be installed before / after
       its own when both apply (the planner sorts by these relations, never by a number);
+    * ``runs_last``: after every applied strategy that does not run last itself (options that
+      act on the final optimizer, whichever strategy replaced or wrapped it);
     * ``implicit``: enabled without a switch, like data parallel;
     * ``replaces_plan``: when it applies, it is the plan's only applied strategy: it chooses
       the others itself (``auto``), which are listed as deferred to it;
@@ -164,10 +185,14 @@ class Strategy(abc.ABC):
     """
 
     name: ClassVar[str]
+    config: ClassVar[Optional[type]] = None
+    paddle_name: ClassVar[str] = ""
+    paddle_graph_name: ClassVar[str] = ""
     requires: ClassVar[tuple[type["Strategy"], ...]] = ()
     conflicts: ClassVar[tuple[type["Strategy"], ...]] = ()
     runs_after: ClassVar[tuple[type["Strategy"], ...]] = ()
     runs_before: ClassVar[tuple[type["Strategy"], ...]] = ()
+    runs_last: ClassVar[bool] = False
     implicit: ClassVar[bool] = False
     replaces_plan: ClassVar[bool] = False
     shapes_model: ClassVar[bool] = False
@@ -222,11 +247,53 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
+def unregister(cls: type[Strategy]) -> None:
+    """Remove a registered strategy (a test that registered its own cleans up with it).
+
+    Raises:
+        RegistryError: ``cls`` is not the class registered under its name.
+    """
+    if _REGISTRY.get(getattr(cls, "name", None)) is not cls:
+        raise RegistryError(f"{cls.__name__} is not registered")
+    del _REGISTRY[cls.name]
+
+
+_MODEL_TYPES: dict[type, Callable[..., Any]] = {}
+
+
+def register_model_type(model_type: type, build: Callable[..., Any]) -> None:
+    """Claim a model type for a module's own wrapper: ``fleet.distributed_model(model)`` of an
+    instance returns ``build(model, strategy, context)`` instead of a ``DistributedModel``.
+
+    ``strategy`` is the ``DistributedStrategy`` in force and ``context()`` returns the training
+    context (built on first call, and rebuilt when the plan changes: call it each time). The
+    model is planned as the job's model, so the plan's strategies reach it through the context
+    (amp's autocast through ``forward_contexts``).
+
+    Raises:
+        RegistryError: the type is claimed already.
+    """
+    if model_type in _MODEL_TYPES:
+        raise RegistryError(f"model type {model_type.__name__} is already claimed by "
+                            f"{_MODEL_TYPES[model_type].__module__}")
+    _MODEL_TYPES[model_type] = build
+
+
+def model_builder(model: Any) -> Optional[Callable[..., Any]]:
+    """The builder that claims ``model``'s type (or its nearest base), or None."""
+    for base in type(model).__mro__:
+        if base in _MODEL_TYPES:
+            return _MODEL_TYPES[base]
+    return None
+
+
 def _edges(classes: list[type[Strategy]]) -> dict[str, set[str]]:
     """name -> names that must come before it, among ``classes`` only."""
     present = {c.name for c in classes}
     before: dict[str, set[str]] = {c.name: set() for c in classes}
     for cls in classes:
+        if cls.runs_last:
+            before[cls.name] |= {c.name for c in classes if not c.runs_last}
         ahead = {o.name for o in cls.runs_before}
         for other in cls.runs_after + tuple(r for r in cls.requires if r.name not in ahead):
             if other.name in present:
@@ -268,7 +335,8 @@ def sort_strategies(classes) -> list[type[Strategy]]:
     strategies no relation orders are taken by name (so the order is deterministic).
 
     Relations to classes not in ``classes`` are ignored: a strategy that does not apply installs
-    nothing for another to come before or after.
+    nothing for another to come before or after. A ``runs_last`` strategy comes after every one
+    that is not.
 
     Raises:
         OrderError: the relations form a cycle (the message names it, ``a -> b -> a``).
@@ -289,9 +357,9 @@ def sort_strategies(classes) -> list[type[Strategy]]:
                     heapq.heappush(ready, other)
     if len(done) < len(classes):
         cycle = _cycle(_edges(classes))
-        raise OrderError("the strategies' runs_after / runs_before / requires relations form a "
-                         "cycle: " + " -> ".join(cycle) + " (each must run after the one "
-                         "before it); remove one of these relations")
+        raise OrderError("the strategies' runs_after / runs_before / requires / runs_last "
+                         "relations form a cycle: " + " -> ".join(cycle) + " (each must run "
+                         "after the one before it); remove one of these relations")
     return [by_name[n] for n in done]
 
 

@@ -330,7 +330,7 @@ def recording_reads() -> Iterator[set]:
     process (a test tool: production code never opens one).
 
     Example:
-        >>> from fleetx.strategy.amp import AmpConfig
+        >>> from fleetx.strategy.algorithms.amp import AmpConfig
         >>> cfg = AmpConfig()
         >>> with recording_reads() as reads:
         ...     _ = cfg.copy().decr_ratio

@@ -35,9 +35,9 @@ from fleetx.strategy.config import Config, unknown_name
 # TopLevelConfig, MESSAGES and markdown_reference live in fields.py / overview.py; they are
 # re-exported here, where users and earlier releases import them from (and _ALIASES, _SPELLINGS
 # for the docs test).
-from fleetx.strategy.fields import (ALIASES as _ALIASES, BAGS as _BAGS, FIELDS as _FIELDS,
-                                    MESSAGES, SPELLINGS as _SPELLINGS, TopLevelConfig,
-                                    resolve_name)
+from fleetx.strategy.fields import (ALIASES as _ALIASES, BAGS as _BAGS, MESSAGES,
+                                    SPELLINGS as _SPELLINGS, TopLevelConfig, field_names,
+                                    resolve_name, top_level)
 from fleetx.strategy.overview import markdown_reference, overview
 
 __all__ = ["DistributedStrategy", "TopLevelConfig", "MESSAGES", "markdown_reference"]
@@ -72,14 +72,18 @@ class DistributedStrategy:
     __hash__ = None  # mutable, compared by value
 
     def __init__(self) -> None:
-        object.__setattr__(self, "_flags", TopLevelConfig())
+        object.__setattr__(self, "_flags", top_level()())
         object.__setattr__(self, "_msgs", {name: cls() for name, cls in MESSAGES.items()})
         object.__setattr__(self, "_set", set())  # "amp", "amp_configs.decr_ratio", ...
 
     # -- attribute surface ----------------------------------------------------------------------
-    @staticmethod
-    def _resolve(name: str) -> str:
-        return resolve_name(name)
+    def _resolve(self, name: str) -> str:
+        field = resolve_name(name)
+        if field not in self._msgs and field not in type(self._flags).specs():
+            # declared (fields.declare) after this object was built
+            raise TypeError(f"strategy.{field} was declared after this DistributedStrategy was "
+                            f"built; build a new one")
+        return field
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names that are not real attributes (the fields).
@@ -99,7 +103,7 @@ class DistributedStrategy:
         self._assign(self._resolve(name), value, user=True)
 
     def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(_FIELDS))
+        return sorted(set(super().__dir__()) | set(field_names()))
 
     def _assign(self, field: str, value: Any, user: bool = False) -> None:
         """Validate and store one field; ``user`` applies the setter side effects (``a_sync``),
@@ -142,8 +146,8 @@ class DistributedStrategy:
             ValueError: ``name`` has no config (the message lists the names that do).
         """
         section = name if name.endswith("_configs") else f"{name}_configs"
-        if section not in MESSAGES:
-            known = [s[:-len("_configs")] for s in MESSAGES if s.endswith("_configs")]
+        if section not in self._msgs:
+            known = [s[:-len("_configs")] for s in self._msgs if s.endswith("_configs")]
             raise ValueError(unknown_name("strategy config", name, known))
         return self._msgs[section].copy()
 
@@ -258,7 +262,7 @@ class DistributedStrategy:
     def save_to_prototxt(self, output: PathLike) -> None:
         """Write the assigned fields in protobuf text format, in Paddle's field order."""
         message: dict[str, Any] = {}
-        for name, spec in TopLevelConfig.specs().items():
+        for name, spec in type(self._flags).specs().items():
             if name in self._set:
                 value = getattr(self._flags, name)
                 message[name] = prototxt.Ident(value) if spec.enum else value

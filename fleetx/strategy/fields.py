@@ -6,31 +6,38 @@ strategies), both in Paddle's protobuf field-number order. :func:`resolve_name` 
 user may write (a field, Paddle's attribute spelling, an old name) into the field it means. The
 strategy object, the file readers and the generated overview and reference all read these
 declarations, so a field added here appears everywhere at once.
+
+A strategy outside Paddle's list declares its own field from its module with :func:`declare`:
+a bool switch after Paddle's fields and, with its config class, the ``<switch>_configs``
+message after Paddle's messages. :func:`top_level` is then the scalar fields' class (Paddle's
+and the declared switches) and :func:`field_names` every field's name.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
-from fleetx.strategy.a_sync import AsyncConfig
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDConfig
-from fleetx.strategy.amp import AmpConfig
+from fleetx.strategy.algorithms.a_sync import AsyncConfig
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDConfig
+from fleetx.strategy.algorithms.amp import AmpConfig
+from fleetx.strategy.algorithms.dgc import DGCConfig
+from fleetx.strategy.algorithms.gradient_merge import GradientMergeConfig
+from fleetx.strategy.algorithms.gradient_scale import GradientScaleConfig
+from fleetx.strategy.algorithms.hybrid import HybridConfig
+from fleetx.strategy.algorithms.lamb import LambConfig
+from fleetx.strategy.algorithms.lars import LarsConfig
+from fleetx.strategy.algorithms.localsgd import LocalSGDConfig
+from fleetx.strategy.algorithms.pipeline import PipelineConfig
+from fleetx.strategy.algorithms.recompute import RecomputeConfig
+from fleetx.strategy.algorithms.sharding import ShardingConfig
+from fleetx.strategy.algorithms.tensor_parallel import TensorParallelConfig
+from fleetx.strategy.algorithms.trainer_desc import TrainerDescConfig
 from fleetx.strategy.build import BuildStrategy, ExecutionStrategy
 from fleetx.strategy.config import Config, option, unknown_name, warn_old_name
-from fleetx.strategy.dgc import DGCConfig
-from fleetx.strategy.gradient_merge import GradientMergeConfig
-from fleetx.strategy.gradient_scale import GradientScaleConfig
-from fleetx.strategy.hybrid import HybridConfig
-from fleetx.strategy.lamb import LambConfig
-from fleetx.strategy.lars import LarsConfig
-from fleetx.strategy.localsgd import LocalSGDConfig
-from fleetx.strategy.pipeline import PipelineConfig
-from fleetx.strategy.recompute import RecomputeConfig
-from fleetx.strategy.sharding import ShardingConfig
-from fleetx.strategy.tensor_parallel import TensorParallelConfig
-from fleetx.strategy.trainer_desc import TrainerDescConfig
 
-__all__ = ["TopLevelConfig", "MESSAGES", "BAGS", "FIELDS", "SPELLINGS", "ALIASES",
-           "resolve_name"]
+__all__ = ["TopLevelConfig", "MESSAGES", "BAGS", "SPELLINGS", "ALIASES", "resolve_name",
+           "declare", "undeclare", "top_level", "field_names"]
 
 
 @dataclass
@@ -121,12 +128,90 @@ MESSAGES: dict[str, type[Config]] = {cls.section: cls for cls in (
     TensorParallelConfig, TrainerDescConfig, BuildStrategy, ExecutionStrategy,
     GradientScaleConfig)}
 BAGS = ("build_strategy", "execution_strategy")
-FIELDS = tuple(TopLevelConfig.specs()) + tuple(MESSAGES)
 # Paddle's attribute spellings of two proto fields: accepted silently.
 SPELLINGS = {"_fuse_grad_size_in_TFLOPS": "fuse_grad_size_in_TFLOPS",
              "_calc_comm_same_stream": "calc_comm_same_stream"}
 # Older names from earlier releases and their docs: accepted with a DeprecationWarning.
 ALIASES = {"fp16_compress": "fp16_allreduce"}
+
+
+# The switches strategy modules declared (name -> help), the scalar fields' class with them, and
+# every field's name; declare / undeclare rebuild the last two.
+_DECLARED: dict[str, str] = {}
+_top: type[Config] = TopLevelConfig
+_DeclaredTopLevel: Optional[type[Config]] = None
+_names: tuple[str, ...] = tuple(TopLevelConfig.specs()) + tuple(MESSAGES)
+
+
+def top_level() -> type[Config]:
+    """The class of the scalar fields: :class:`TopLevelConfig`, plus the declared switches."""
+    return _top
+
+
+def field_names() -> tuple[str, ...]:
+    """Every field's name: the scalar fields, then the messages (Paddle's, then declared)."""
+    return _names
+
+
+def declare(switch: str, help: str, config: Optional[type[Config]] = None) -> None:
+    """Give ``DistributedStrategy`` the field of a strategy defined outside this list: the bool
+    switch ``strategy.<switch>`` (default False) and, with ``config``, its ``<switch>_configs``
+    message. They behave as Paddle's fields do (checked assignment, dict, files, overview);
+    strategy objects built before the declaration do not have them.
+
+    Args:
+        switch: the switch's name, the strategy's ``name``.
+        help: what the switch turns on, for the overview and the reference.
+        config: the strategy's config class; its ``section`` must be ``<switch>_configs``.
+
+    Raises:
+        ValueError: the switch or section is a field already, or the section is misnamed.
+
+    Example:
+        >>> declare("echo", "Print each loss.")
+        >>> resolve_name("echo"), top_level()().echo
+        ('echo', False)
+        >>> undeclare("echo")
+    """
+    section = config.section if config is not None else None
+    if config is not None and section != f"{switch}_configs":
+        raise ValueError(f"the config of switch {switch!r} must have section "
+                         f"'{switch}_configs', got {section!r}")
+    taken = sorted({switch, section} & set(_names + tuple(SPELLINGS) + tuple(ALIASES)))
+    if taken:
+        raise ValueError(f"{', '.join(taken)} is a DistributedStrategy field already")
+    _DECLARED[switch] = help
+    if config is not None:
+        MESSAGES[section] = config
+    _rebuild()
+
+
+def undeclare(switch: str) -> None:
+    """Remove a field :func:`declare` added (a test that declared one cleans up with it).
+
+    Raises:
+        ValueError: ``switch`` was not declared.
+    """
+    if switch not in _DECLARED:
+        raise ValueError(unknown_name("declared switch", switch, _DECLARED))
+    del _DECLARED[switch]
+    MESSAGES.pop(f"{switch}_configs", None)
+    _rebuild()
+
+
+def _rebuild() -> None:
+    global _top, _names, _DeclaredTopLevel
+    _top = _DeclaredTopLevel = TopLevelConfig
+    if _DECLARED:
+        # A subclass with the switches after Paddle's fields, bound to this module's name so
+        # that a strategy holding one pickles (a process that declares the same fields
+        # unpickles it).
+        _top = _DeclaredTopLevel = dataclasses.make_dataclass(
+            "_DeclaredTopLevel", [(name, bool, option(False, text))
+                                  for name, text in _DECLARED.items()],
+            bases=(TopLevelConfig,))
+        _top.__module__ = __name__
+    _names = tuple(_top.specs()) + tuple(MESSAGES)
 
 
 def resolve_name(name: str) -> str:
@@ -136,11 +221,11 @@ def resolve_name(name: str) -> str:
     Raises:
         TypeError: ``name`` is no field (the message lists the fields).
     """
-    if name in FIELDS:
+    if name in _names:
         return name
     if name in SPELLINGS:
         return SPELLINGS[name]
     if name in ALIASES:
         warn_old_name(f"strategy.{name} is an old name; use strategy.{ALIASES[name]}")
         return ALIASES[name]
-    raise TypeError(unknown_name("DistributedStrategy attribute", name, FIELDS))
+    raise TypeError(unknown_name("DistributedStrategy attribute", name, _names))

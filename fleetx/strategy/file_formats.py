@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from fleetx.strategy import prototxt
 from fleetx.strategy.config import Config, unknown_name
-from fleetx.strategy.fields import FIELDS, MESSAGES, TopLevelConfig, resolve_name
+from fleetx.strategy.fields import MESSAGES, field_names, resolve_name, top_level
 
 __all__ = ["read_mapping", "Locator", "failing_path", "decode_prototxt", "yaml_module"]
 
@@ -105,7 +105,7 @@ def failing_path(data: Mapping[str, Any]) -> Union[tuple[str, ...], None]:
             try:
                 field = resolve_name(name)
                 if field not in MESSAGES:
-                    TopLevelConfig.check(field, value)
+                    top_level().check(field, value)
                     continue
                 if not isinstance(value, Mapping):
                     return (name,)
@@ -135,7 +135,7 @@ def decode_prototxt(entries: tuple[prototxt.Entry, ...], source: str, ignore_unk
             value (``file:line:`` first).
         TypeError: a value of the wrong type (``file:line:`` first).
     """
-    return _decode(entries, TopLevelConfig, source, ignore_unknown, skipped)
+    return _decode(entries, top_level(), source, ignore_unknown, skipped)
 
 
 def _decode(entries: tuple[prototxt.Entry, ...], cls: type[Config], source: str,
@@ -144,14 +144,14 @@ def _decode(entries: tuple[prototxt.Entry, ...], cls: type[Config], source: str,
 
     Repeated lines gather into one list; a later scalar overwrites an earlier one.
     """
-    top = cls is TopLevelConfig
+    top = cls is top_level()
     out: dict[str, Any] = {}
     for entry in entries:
         where = f"{source}:{entry.line}"
         name = _decoded_name(cls, entry.name)
         if name is None:
             if not ignore_unknown:
-                known = FIELDS if top else cls.specs()
+                known = field_names() if top else cls.specs()
                 what = "DistributedStrategy field" if top else f"{cls.section} field"
                 raise ValueError(f"{where}: {unknown_name(what, entry.name, known)}")
             skipped.append(entry.name if top else f"{cls.section}.{entry.name}")
@@ -181,7 +181,7 @@ def _decode(entries: tuple[prototxt.Entry, ...], cls: type[Config], source: str,
 
 def _decoded_name(cls: type[Config], name: str) -> Union[str, None]:
     try:
-        if cls is TopLevelConfig:
+        if cls is top_level():
             return resolve_name(name)
         return cls.canonical(name)
     except (TypeError, ValueError):

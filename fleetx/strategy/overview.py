@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from fleetx.strategy.config import Config, markdown_table
-from fleetx.strategy.fields import MESSAGES, TopLevelConfig
+from fleetx.strategy.fields import MESSAGES, top_level
 
 __all__ = ["overview", "markdown_reference"]
 
@@ -36,16 +36,16 @@ def _rows(cfg: Config) -> str:
     return "".join(out)
 
 
-def overview(flags: TopLevelConfig, msgs: Mapping[str, Config]) -> str:
+def overview(flags: Config, msgs: Mapping[str, Config]) -> str:
     """Paddle's overview table of a strategy with top-level values ``flags`` and messages
     ``msgs``: each switch with a config prints as a block when on, the other fields as rows."""
     border = "    +" + "=" * _WIDTH + "+\n"
     line = "    +" + "-" * _WIDTH + "+\n"
     out = [border, _title(""), _title("DistributedStrategy Overview"), _title("")]
     env = []
-    for name, spec in TopLevelConfig.specs().items():
+    for name, spec in type(flags).specs().items():
         value = getattr(flags, name)
-        if spec.type is bool and f"{name}_configs" in MESSAGES:
+        if spec.type is bool and f"{name}_configs" in msgs:
             if value:  # a switch with a config prints as a block, and only when on
                 out += [border, _title(f"{name}=True <-> {name}_configs"), line,
                         _rows(msgs[f"{name}_configs"])]
@@ -63,7 +63,7 @@ def markdown_reference() -> str:
     Settings declared without effect are marked (**no effect**, and why); a config with no
     effect at all says so once, above its table.
     """
-    parts = ["### Top-level fields\n\n", markdown_table(TopLevelConfig, "field")]
+    parts = ["### Top-level fields\n\n", markdown_table(top_level(), "field")]
     for name, cls in MESSAGES.items():
         parts.append(f"\n### `{name}` ({cls.__name__}, `{cls.__module__}`)\n\n")
         if cls.no_effect:

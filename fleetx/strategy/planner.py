@@ -13,7 +13,7 @@ import importlib
 import pkgutil
 from typing import Any, Optional, Sequence
 
-import fleetx.strategy
+import fleetx.strategy.algorithms
 from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, Plan, PlanEntry, PlanInput,
                                  StrategyError, WorldInfo, registered, sort_strategies)
 from fleetx.strategy.footprint import Footprint
@@ -22,14 +22,16 @@ __all__ = ["make_plan", "plan_for", "load_strategies"]
 
 
 def load_strategies() -> None:
-    """Import every module of ``fleetx.strategy``; each registers its ``Strategy`` class.
+    """Import every module of :mod:`fleetx.strategy.algorithms`; each registers its
+    ``Strategy`` class (and claims the model types it wraps).
 
     Adding a strategy therefore touches only its own module (and its ``DistributedStrategy``
-    field): nothing here lists them.
+    field): nothing here lists them. A strategy defined elsewhere is planned once its module
+    is imported (``@register`` runs then).
     """
-    for info in pkgutil.iter_modules(fleetx.strategy.__path__):
+    for info in pkgutil.iter_modules(fleetx.strategy.algorithms.__path__):
         if not info.name.startswith("_"):
-            importlib.import_module(f"fleetx.strategy.{info.name}")
+            importlib.import_module(f"fleetx.strategy.algorithms.{info.name}")
 
 
 def make_plan(plan_input: PlanInput, strategies: Optional[Sequence[type]] = None) -> Plan:

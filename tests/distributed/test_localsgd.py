@@ -28,7 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spawn import run  # noqa: E402
 
-from fleetx.strategy.adaptive_localsgd import next_interval  # noqa: E402
+from fleetx.strategy.algorithms.adaptive_localsgd import next_interval  # noqa: E402
 
 STEPS, B, K, BEGIN = 12, 8, 3, 2
 LR, MU = 0.05, 0.9

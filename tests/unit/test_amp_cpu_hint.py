@@ -2,7 +2,7 @@
 flags once; the parser is tested on flag lines of both kinds)."""
 from __future__ import annotations
 
-from fleetx.strategy.amp import cpu_has_fast_bf16, fast_bf16_flags
+from fleetx.strategy.algorithms.amp import cpu_has_fast_bf16, fast_bf16_flags
 from fleetx.strategy.api import PlanInput, WorldInfo
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.planner import make_plan

@@ -17,9 +17,9 @@ from torch import nn
 
 from fleetx.env import EnvError
 from fleetx.fleet.fleet import Fleet
+from fleetx.strategy.algorithms.auto import (BUDGET_VARIABLE, NOISE, Measurement, candidates,
+                                             choose, repeated_blocks)
 from fleetx.strategy.api import ModelInfo, PlanInput, StrategyError, WorldInfo
-from fleetx.strategy.auto import (BUDGET_VARIABLE, NOISE, Measurement, candidates, choose,
-                                  repeated_blocks)
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.planner import make_plan
 
@@ -63,7 +63,7 @@ def test_candidates_search_the_unset_switches_only():
     assert names[0] == "data parallel" and "recompute" in names
     sharding = [n for n in names if n.startswith("sharding")]
     from fleetx.strategy.fields import TopLevelConfig
-    from fleetx.strategy.sharding import ShardingConfig
+    from fleetx.strategy.algorithms.sharding import ShardingConfig
     offered = not TopLevelConfig.specs()["sharding"].no_effect and "stage" in ShardingConfig.specs()
     assert sharding == (["sharding stage 1", "sharding stage 2", "sharding stage 3"]
                         if offered else [])

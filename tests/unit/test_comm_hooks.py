@@ -8,7 +8,7 @@ import torch.distributed as dist
 from fleetx.comm import hooks
 from fleetx.comm.hooks import (Channels, CommHookError, GradientCodec, AllReducePath, Traffic,
                                compose, done)
-from fleetx.strategy.fp16_allreduce import Fp16Codec
+from fleetx.strategy.algorithms.fp16_allreduce import Fp16Codec
 
 
 @pytest.fixture(scope="module")

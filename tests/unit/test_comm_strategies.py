@@ -10,17 +10,17 @@ import torch
 from torch import nn
 
 from fleetx.comm.hooks import Channels
+from fleetx.strategy.algorithms.build_execution import (BuildStrategyOptions,
+                                                        ExecutionStrategyOptions, changed_fields)
+from fleetx.strategy.algorithms.comm_groups import CommGroupsStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.fp16_allreduce import Fp16AllReduceStrategy, Fp16Codec
+from fleetx.strategy.algorithms.hierarchical_allreduce import (
+    HierarchicalAllReduceStrategy, HierarchicalAllReduce, ranks_per_node)
+from fleetx.strategy.algorithms.sync_batch_norm import SyncBatchNormStrategy
 from fleetx.strategy.api import (Mode, OptimizerInfo, PlanInput, TrainingContext, WorldInfo)
-from fleetx.strategy.build_execution import (BuildStrategyOptions, ExecutionStrategyOptions,
-                                             changed_fields)
-from fleetx.strategy.comm_groups import CommGroupsStrategy
-from fleetx.strategy.data_parallel import DataParallelStrategy
 from fleetx.strategy.distributed_strategy import DistributedStrategy
-from fleetx.strategy.fp16_allreduce import Fp16AllReduceStrategy, Fp16Codec
-from fleetx.strategy.hierarchical_allreduce import (HierarchicalAllReduceStrategy,
-                                                    HierarchicalAllReduce, ranks_per_node)
 from fleetx.strategy.planner import make_plan
-from fleetx.strategy.sync_batch_norm import SyncBatchNormStrategy
 
 MODULES = ["dgc", "fp16_allreduce", "hierarchical_allreduce", "comm_groups",
            "build_execution", "sync_batch_norm"]
@@ -28,7 +28,7 @@ MODULES = ["dgc", "fp16_allreduce", "hierarchical_allreduce", "comm_groups",
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
-    module = importlib.import_module(f"fleetx.strategy.{name}")
+    module = importlib.import_module(f"fleetx.strategy.algorithms.{name}")
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from fleetx.comm.hooks import done
+from fleetx.strategy.algorithms.dgc import (MIN_NUMEL, DGCCodec, DGCConfig, DGCMomentumOptimizer,
+                                            DGCState, DGCStrategy, compressible, sparsity_at)
 from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, PlanInput, StrategyError,
                                  TrainingContext, WorldInfo)
-from fleetx.strategy.dgc import (MIN_NUMEL, DGCCodec, DGCConfig, DGCMomentumOptimizer,
-                                 DGCState, DGCStrategy, compressible, sparsity_at)
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.planner import make_plan, plan_for
 

@@ -187,7 +187,7 @@ def _tree(tmp_path: Path, files: Dict[str, str]) -> Path:
      "data -> fleetx (fleetx/data/loader.py:1) -> data (fleetx/__init__.py:1)"),
     # a dynamic import with a constant name is an import
     ({"__init__.py": "", "launch/__init__.py": "import importlib\n"
-      "def f():\n    return importlib.import_module('fleetx.strategy.amp')\n",
+      "def f():\n    return importlib.import_module('fleetx.strategy.algorithms.amp')\n",
       "strategy/__init__.py": "from fleetx.launch import f\n"},
      "launch -> strategy (fleetx/launch/__init__.py:3) -> launch (fleetx/strategy/__init__.py:1)"),
     ({"__init__.py": "", "checkpoint/__init__.py": "from .io import save\n",

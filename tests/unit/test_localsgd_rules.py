@@ -7,15 +7,15 @@ import math
 import pytest
 
 from fleetx import DistributedStrategy
-from fleetx.strategy.adaptive_localsgd import (AdaptiveInterval, AdaptiveLocalSGDStrategy,
-                                               next_interval)
-from fleetx.strategy.amp import AmpStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import (AdaptiveInterval,
+                                                          AdaptiveLocalSGDStrategy, next_interval)
+from fleetx.strategy.algorithms.amp import AmpStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.gradient_merge import GradientMergeStrategy, MergeState
+from fleetx.strategy.algorithms.lamb import LambStrategy
+from fleetx.strategy.algorithms.lars import LarsStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDState, LocalSGDStrategy
 from fleetx.strategy.api import Mode, OptimizerInfo, PlanInput, StrategyError, WorldInfo
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.gradient_merge import GradientMergeStrategy, MergeState
-from fleetx.strategy.lamb import LambStrategy
-from fleetx.strategy.lars import LarsStrategy
-from fleetx.strategy.localsgd import LocalSGDState, LocalSGDStrategy
 from fleetx.strategy.planner import make_plan
 
 MINE = [DataParallelStrategy, LocalSGDStrategy, AdaptiveLocalSGDStrategy, GradientMergeStrategy,

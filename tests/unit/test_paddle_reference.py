@@ -30,7 +30,7 @@ from fleetx import DistributedStrategy
 from fleetx.amp.scaler import LossScaler
 from fleetx.fleet import Fleet
 from fleetx.optim import Lamb, LarsMomentum
-from fleetx.strategy.localsgd import LocalSGDState
+from fleetx.strategy.algorithms.localsgd import LocalSGDState
 
 STEPS = 5
 TOL = dict(rtol=1e-9, atol=1e-12)

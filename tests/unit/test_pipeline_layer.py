@@ -110,7 +110,7 @@ def _amp_optimizer(stage):
     """``fleet.distributed_optimizer``'s wrapper over SGD with the amp strategy applied, built
     from its parts (one process, no fleet.init)."""
     from fleetx.fleet.optimizer import DistributedOptimizer
-    from fleetx.strategy.amp import AmpStrategy
+    from fleetx.strategy.algorithms.amp import AmpStrategy
     from fleetx.strategy.api import TrainingContext, WorldInfo
     from fleetx.strategy.distributed_strategy import DistributedStrategy
     strategy = DistributedStrategy()

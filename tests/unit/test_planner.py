@@ -7,9 +7,9 @@ import torch
 from fleetx import DistributedStrategy
 
 from fleetx.strategy import api
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
 from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, PlanInput, Strategy,
                                  StrategyError, Verdict, WorldInfo, register, registered)
-from fleetx.strategy.data_parallel import DataParallelStrategy
 from fleetx.strategy.planner import make_plan, plan_for
 
 
@@ -144,6 +144,37 @@ def test_registry_refuses_duplicates_and_names_known():
         register(Dup)
     with pytest.raises(api.RegistryError, match="unknown strategy 'nope'; known: "):
         registered("nope")
+
+
+def test_unregister_refuses_a_class_that_is_not_registered():
+    class Stray(Strategy):
+        name = "data_parallel"
+
+        def can_apply(self, p):
+            return Verdict.ok()
+
+        def apply(self, ctx):
+            pass
+
+    with pytest.raises(api.RegistryError, match="Stray is not registered"):
+        api.unregister(Stray)
+
+
+def test_a_model_type_is_claimed_once_and_found_for_its_subclasses():
+    from fleetx.parallel.pipeline import PipelineLayer
+    from fleetx.strategy.planner import load_strategies
+
+    load_strategies()
+
+    class MyStage(PipelineLayer):
+        pass
+
+    build = api.model_builder(MyStage.__new__(MyStage))
+    assert build is not None and build.__module__ == "fleetx.strategy.algorithms.pipeline"
+    assert api.model_builder(torch.nn.Linear(1, 1)) is None
+    with pytest.raises(api.RegistryError, match="model type PipelineLayer is already claimed by "
+                                                "fleetx.strategy.algorithms.pipeline"):
+        api.register_model_type(PipelineLayer, build)
 
 
 def test_plan_for_extracts_model_and_optimizer_facts():

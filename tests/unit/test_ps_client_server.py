@@ -319,7 +319,7 @@ def test_an_async_session_ends_with_the_servers_weights_when_replies_skip_them(c
 
 
 def test_min_send_grad_num_before_recv_is_read_from_the_strategy():
-    from fleetx.strategy.a_sync import AsyncConfig
+    from fleetx.strategy.algorithms.a_sync import AsyncConfig
     c = AsyncConfig(independent_recv_thread=True, min_send_grad_num_before_recv=4)
     comm = CommunicatorConfig.from_a_sync_configs(c.to_dict())
     assert (comm.independent_recv_thread, comm.recv_every) == (True, 4)

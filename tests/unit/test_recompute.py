@@ -21,10 +21,10 @@ from torch import nn
 
 from fleetx import DistributedStrategy, fleet as fleet_module
 from fleetx.fleet import Fleet, UtilBase
+from fleetx.strategy.algorithms.recompute import checkpoint_modules
 from fleetx.strategy.api import ModelInfo, PlanInput, StrategyError, WorldInfo
-from fleetx.strategy.planner import make_plan
 from fleetx.strategy.measured import SavedForBackward
-from fleetx.strategy.recompute import checkpoint_modules
+from fleetx.strategy.planner import make_plan
 
 DEPTH, WIDTH, BATCH = 8, 32, 64
 

@@ -4,10 +4,10 @@ import warnings
 
 import pytest
 
+from fleetx.strategy.algorithms.sharding import ShardingConfig
 from fleetx.strategy.api import PlanInput, WorldInfo
 from fleetx.strategy.distributed_strategy import DistributedStrategy, markdown_reference
 from fleetx.strategy.planner import make_plan
-from fleetx.strategy.sharding import ShardingConfig
 
 
 def _sharded(**configs):

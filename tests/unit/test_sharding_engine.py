@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from fleetx.strategy.algorithms.sharding_engine import (ShardRecord, rebound_optimizer,
+                                                        sharding_units)
 from fleetx.strategy.api import StrategyError
-from fleetx.strategy.sharding_engine import ShardRecord, rebound_optimizer, sharding_units
 
 
 class Net(nn.Module):

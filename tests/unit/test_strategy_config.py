@@ -10,9 +10,11 @@ import pytest
 from fleetx.strategy.config import Config, Constraint, markdown_table, option, unknown_name
 from fleetx.strategy.distributed_strategy import MESSAGES, TopLevelConfig
 
-STRATEGY_MODULES = ["amp", "recompute", "localsgd", "adaptive_localsgd", "gradient_merge", "dgc",
-                    "pipeline", "a_sync", "lars", "lamb", "sharding", "hybrid",
-                    "tensor_parallel", "trainer_desc", "gradient_scale", "build"]
+# Modules of fleetx.strategy: one per algorithm under algorithms/, and the build / execution bags.
+STRATEGY_MODULES = [f"algorithms.{name}" for name in (
+    "amp", "recompute", "localsgd", "adaptive_localsgd", "gradient_merge", "dgc", "pipeline",
+    "a_sync", "lars", "lamb", "sharding", "hybrid", "tensor_parallel", "trainer_desc",
+    "gradient_scale")] + ["build"]
 
 
 @dataclass
@@ -126,8 +128,8 @@ def test_strategy_modules_document_every_field(name):
 
 
 def test_every_config_is_reachable_from_the_strategy():
-    assert {m.split(".")[-1] for m in (c.__module__ for c in MESSAGES.values())} == set(
-        STRATEGY_MODULES)
+    assert {m.removeprefix("fleetx.strategy.") for m in (c.__module__ for c in MESSAGES.values())
+            } == set(STRATEGY_MODULES)
     for field in dataclasses.fields(TopLevelConfig):
         assert field.metadata["help"].strip(), field.name
 
@@ -139,3 +141,16 @@ def test_docstring_examples_run(name):
     failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert failures == 0
 
+
+
+def test_each_strategy_names_its_config_class():
+    from fleetx.strategy.api import registered
+    from fleetx.strategy.planner import load_strategies
+
+    load_strategies()
+    for cls in registered():
+        if f"{cls.name}_configs" in MESSAGES:
+            assert cls.config is MESSAGES[f"{cls.name}_configs"], cls.name
+        if cls.config is not None:
+            assert MESSAGES[cls.config.section] is cls.config, cls.name
+    assert registered("parameter_server").config is MESSAGES["a_sync_configs"]

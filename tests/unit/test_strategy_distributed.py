@@ -5,10 +5,10 @@ import warnings
 
 import pytest
 
-from fleetx.strategy.amp import AmpConfig
+from fleetx.strategy.algorithms.amp import AmpConfig
+from fleetx.strategy.algorithms.pipeline import PipelineConfig
 from fleetx.strategy.build import BuildStrategy, ExecutionStrategy
 from fleetx.strategy.distributed_strategy import DistributedStrategy
-from fleetx.strategy.pipeline import PipelineConfig
 
 # Written out from the Paddle 2.2 reference (fleet_api.md §2.2-2.4), not from the code.
 DEFAULTS = {

@@ -109,6 +109,22 @@ def test_requires_implies_runs_after_unless_runs_before_says_otherwise():
     assert [x.name for x in sort_strategies([user, pre, base])] == ["b_pre", "z_base", "a_user"]
 
 
+def test_runs_last_comes_after_every_strategy_that_does_not():
+    last, other_last = _toy("a_last", runs_last=True), _toy("b_last", runs_last=True)
+    early, late = _toy("y"), _toy("z", runs_after=(_toy("x"),))
+    assert [x.name for x in sort_strategies([other_last, late, last, early])] == [
+        "y", "z", "a_last", "b_last"]
+    # the option bags apply to the final optimizer, after sharding rebuilt it
+    load_strategies()
+    bags = [registered(n) for n in ("sharding", "recompute", "build_strategy",
+                                    "execution_strategy")]
+    assert [x.name for x in sort_strategies(bags)] == [
+        "recompute", "sharding", "build_strategy", "execution_strategy"]
+    before_last = _toy("c", runs_after=(last,))
+    with pytest.raises(OrderError, match="form a cycle: a_last -> c -> a_last"):
+        sort_strategies([last, before_last])
+
+
 def test_a_cycle_is_an_error_naming_it():
     a = _toy("a")
     b = _toy("b", runs_after=(a,))

@@ -18,15 +18,15 @@ from torch import nn
 
 from fleetx import fleet as fleet_module
 from fleetx.fleet.fleet import Fleet
-from fleetx.fleet.pipeline import pipeline_model
 from fleetx.parallel.pipeline import PipelineLayer
 from fleetx.role_maker import UserDefinedRoleMaker
+from fleetx.strategy.algorithms.pipeline import pipeline_model
+from fleetx.strategy.algorithms.tensor_parallel import init_seed
 from fleetx.strategy.api import (Mode, ModelInfo, OptimizerInfo, PlanInput, StrategyError,
                                  TrainingContext, WorldInfo, registered)
 from fleetx.strategy.config import recording_reads
 from fleetx.strategy.distributed_strategy import MESSAGES, DistributedStrategy, TopLevelConfig
 from fleetx.strategy.planner import load_strategies, make_plan
-from fleetx.strategy.tensor_parallel import init_seed
 
 GM2 = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2, "avg": False}}
 # Settings under which each strategy applies (what they read is recorded, not listed here).
@@ -131,7 +131,7 @@ def reads(one_process_group):
         # fleet.distributed_model(PipelineLayer) reads pipeline_configs (here a one-stage pipe)
         with recording_reads() as pipe_reads:
             stage = PipelineLayer([nn.Linear(2, 2)], loss_fn=nn.MSELoss(), group=dist.group.WORLD)
-            pipeline_model(stage, _strategy({}), "cpu")
+            pipeline_model(stage, _strategy({}))
         found |= pipe_reads
     finally:
         torch.set_num_threads(threads)  # execution_strategy's num_threads

@@ -34,9 +34,9 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy, refuse_split_model
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
 
 __all__ = ["LocalSGDConfig", "LocalSGDStrategy", "check_local_sgd", "model_parameters"]
 
@@ -127,6 +127,8 @@ class LocalSGDStrategy(Strategy):
     """DDP until ``begin_step``, then local steps and a parameter average every ``k_steps``."""
 
     name = "localsgd"
+    config = LocalSGDConfig
+    paddle_name = "LocalSGDOptimizer"
     requires = (DataParallelStrategy,)
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

@@ -48,6 +48,7 @@ class DataParallelStrategy(Strategy):
     """Wrap the model in ``DistributedDataParallel`` when the world has more than one process."""
 
     name = "data_parallel"
+    paddle_graph_name = "GraphExecutionOptimizer"  # Paddle's graph optimizer, not a meta one
     implicit = True
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

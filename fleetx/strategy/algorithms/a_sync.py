@@ -161,6 +161,8 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "parameter_server"
+    config = AsyncConfig
+    paddle_name = "ParameterServerOptimizer"
     implicit = True
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

@@ -34,10 +34,9 @@ _BAGS = ("build_strategy", "execution_strategy")
 
 
 def _declarations() -> tuple[type[Config], dict[str, type[Config]]]:
-    # Imported here: distributed_strategy imports the strategy modules, which must not wait on
-    # this one.
-    from fleetx.strategy.distributed_strategy import MESSAGES, TopLevelConfig
-    return TopLevelConfig, MESSAGES
+    # Imported here: fields imports the strategy modules, which must not wait on this one.
+    from fleetx.strategy.fields import MESSAGES, top_level
+    return top_level(), MESSAGES
 
 
 def _changed(cls: type[Config], values: dict[str, Any]) -> list[str]:

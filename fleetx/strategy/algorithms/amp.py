@@ -15,6 +15,8 @@ the scaled loss; a step guard unscales the gradients and skips the step when one
 nan. When the gradients were synchronised (data parallel), the found-inf flag is all-reduced so
 that every rank skips the same steps and keeps the same scale. The scaler's state is saved with
 the optimizer, and ``optimizer.get_loss_scaling()`` returns the current scale.
+``optimizer.clip_grad_norm_`` is refused (through the context's ``before_clip`` hook): there the
+gradients still carry the scale.
 """
 from __future__ import annotations
 
@@ -26,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from fleetx.amp import LossScaler, PrecisionHooks, low_precision_dtype, resolve
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.gradient_merge import GradientMergeStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register)
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.gradient_merge import GradientMergeStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
 
 __all__ = ["AmpConfig", "AmpStrategy", "cpu_has_fast_bf16", "fast_bf16_flags"]
 
@@ -116,6 +118,8 @@ class AmpStrategy(Strategy):
     """Autocast around every forward, Paddle's dynamic loss scaling around every step."""
 
     name = "amp"
+    config = AmpConfig
+    paddle_name = "AMPOptimizer"
     # Its step guard (unscale, inf check) must run after gradient merge's boundary guard, and it
     # asks the sync_gradients that data parallel, gradient merge and local SGD shape whether a
     # step was synchronised.
@@ -191,7 +195,16 @@ class AmpStrategy(Strategy):
         ctx.step_guards.append(check.guard)
         ctx.after_step.append(check.after_step)
         ctx.optimizer_methods["get_loss_scaling"] = lambda: scaler.scale
+        ctx.before_clip.append(_refuse_clip)
         ctx.scalars["loss_scale"] = lambda: float(scaler.scale)
+
+
+def _refuse_clip(params: list) -> None:
+    """``before_clip``: refuse, as the gradients are unscaled only by the step guard, after
+    clipping would have run."""
+    raise ValueError("clip_grad_norm_ with strategy.amp: the gradients still carry the loss "
+                     "scale before the step, so their norm is not the model's; turn amp off to "
+                     "clip")
 
 
 class _InfCheck:

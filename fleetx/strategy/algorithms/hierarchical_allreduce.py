@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from fleetx.comm.hooks import AllReducePath, Traffic
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy, refuse_split_model
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, TrainingContext, Verdict,
                                  WorldInfo, register)
-from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
 
 __all__ = ["HierarchicalAllReduceStrategy", "HierarchicalAllReduce", "ranks_per_node"]
 

@@ -27,21 +27,9 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from fleetx.strategy.a_sync import ParameterServerStrategy
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
-from fleetx.strategy.amp import AmpStrategy
 from fleetx.strategy.api import (OptimizerInfo, PlanInput, Strategy, TrainingContext, Verdict,
                                  register)
-from fleetx.strategy.comm_groups import CommGroupsStrategy
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.dgc import DGCStrategy
-from fleetx.strategy.fp16_allreduce import Fp16AllReduceStrategy
-from fleetx.strategy.gradient_merge import GradientMergeStrategy
-from fleetx.strategy.hierarchical_allreduce import HierarchicalAllReduceStrategy
-from fleetx.strategy.lamb import LambStrategy
-from fleetx.strategy.lars import LarsStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
-from fleetx.strategy.sync_batch_norm import SyncBatchNormStrategy
+from fleetx.strategy.build import BuildStrategy, ExecutionStrategy
 
 __all__ = ["BuildStrategyOptions", "ExecutionStrategyOptions", "changed_fields"]
 
@@ -58,11 +46,9 @@ class _BagOptions(Strategy):
     reason."""
 
     # Last of all: the options apply to the final optimizer, after every strategy that replaces
-    # or wraps it (lars, lamb, dgc, parameter server) or installs hooks around its step.
-    runs_after = (AdaptiveLocalSGDStrategy, AmpStrategy, CommGroupsStrategy, DataParallelStrategy,
-                  DGCStrategy, Fp16AllReduceStrategy, GradientMergeStrategy,
-                  HierarchicalAllReduceStrategy, LambStrategy, LarsStrategy, LocalSGDStrategy,
-                  ParameterServerStrategy, SyncBatchNormStrategy)
+    # or wraps it (lars, lamb, dgc, sharding, parameter server) or installs hooks around its
+    # step.
+    runs_last = True
     # field -> (fn(value, optimizer info) -> what it does, or "" for no effect here); every field
     # not here declares no_effect
     mapped: ClassVar[dict[str, Callable[[Any, OptimizerInfo], str]]] = {}
@@ -116,6 +102,7 @@ class BuildStrategyOptions(_BagOptions):
     """
 
     name = "build_strategy"
+    config = BuildStrategy
     mapped = {"fuse_all_optimizer_ops": _foreach}
 
     def apply(self, ctx: TrainingContext) -> None:
@@ -140,6 +127,7 @@ class ExecutionStrategyOptions(_BagOptions):
     """
 
     name = "execution_strategy"
+    config = ExecutionStrategy
     mapped = {"num_threads": _threads}
 
     def apply(self, ctx: TrainingContext) -> None:

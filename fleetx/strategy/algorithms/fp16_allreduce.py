@@ -17,12 +17,12 @@ import torch
 from torch.futures import Future
 
 from fleetx.comm.hooks import GradientCodec, Downstream
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.dgc import DGCStrategy
+from fleetx.strategy.algorithms.gradient_merge import GradientMergeStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.dgc import DGCStrategy
-from fleetx.strategy.gradient_merge import GradientMergeStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
 
 __all__ = ["Fp16AllReduceStrategy", "Fp16Codec"]
 
@@ -53,6 +53,7 @@ class Fp16AllReduceStrategy(Strategy):
     """
 
     name = "fp16_allreduce"
+    paddle_name = "FP16AllReduceOptimizer"
     requires = (DataParallelStrategy,)
     # Codecs nest in plan order, first outermost: DGC sparsifies the full-precision gradients and
     # this cast carries the dense rest. After the step schedules (gradient merge, local SGD),

@@ -39,13 +39,13 @@ from torch.futures import Future, collect_all
 
 from fleetx.comm.hooks import GradientCodec, Downstream, done
 from fleetx.optim.wrapper import OptimizerWrapper
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
-from fleetx.strategy.amp import AmpStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.amp import AmpStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy, refuse_split_model
+from fleetx.strategy.algorithms.lars import LarsStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
-from fleetx.strategy.lars import LarsStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
 
 __all__ = ["DGCConfig", "DGCStrategy", "DGCState", "DGCCodec", "DGCMomentumOptimizer",
            "MIN_NUMEL", "sparsity_at"]
@@ -293,6 +293,8 @@ class DGCStrategy(Strategy):
     """
 
     name = "dgc"
+    config = DGCConfig
+    paddle_name = "DGCOptimizer"
     requires = (DataParallelStrategy,)
     # amp: the loss scale would be baked into the residuals, and one inf step would poison them
     # for good. lars: compressed updates bypass its layer-wise rate. Local SGD: gradients are not

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from fleetx.comm.hooks import Channels
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy, refuse_split_model
+from fleetx.strategy.algorithms.hierarchical_allreduce import HierarchicalAllReduceStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
-from fleetx.strategy.data_parallel import DataParallelStrategy, refuse_split_model
-from fleetx.strategy.hierarchical_allreduce import HierarchicalAllReduceStrategy
 
 __all__ = ["CommGroupsStrategy"]
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fleetx.optim import LarsMomentum, check_exclusions, split_groups
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
 
 __all__ = ["LarsConfig", "LarsStrategy"]
 
@@ -49,6 +49,8 @@ class LarsStrategy(Strategy):
     """Replace the Momentum optimizer by LARS momentum."""
 
     name = "lars"
+    config = LarsConfig
+    paddle_name = "LarsOptimizer"
     # No data dependency: listed after the data-parallel engine and after local SGD, which
     # decides which steps are synchronised, as the other strategies acting on the step are.
     runs_after = (DataParallelStrategy, LocalSGDStrategy, AdaptiveLocalSGDStrategy)

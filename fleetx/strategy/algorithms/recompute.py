@@ -30,10 +30,10 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as torch_checkpoint
 
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.sync_batch_norm import SyncBatchNormStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.sync_batch_norm import SyncBatchNormStrategy
 
 __all__ = ["RecomputeConfig", "RecomputeStrategy", "recompute", "checkpoint_modules",
            "unknown_modules"]
@@ -155,6 +155,8 @@ class RecomputeStrategy(Strategy):
     """Checkpoint the named sub-modules with ``torch.utils.checkpoint`` (non-reentrant)."""
 
     name = "recompute"
+    config = RecomputeConfig
+    paddle_name = "RecomputeOptimizer"
     # Names are resolved on the plain model: after SyncBatchNorm swaps its layers (a named
     # batch-norm layer must be the swapped one) and before DDP hides the model under "module.".
     runs_after = (SyncBatchNormStrategy,)

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetx.optim import Lamb, check_exclusions, ends_with, split_groups
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
 
 __all__ = ["LambConfig", "LambStrategy"]
 
@@ -50,6 +50,8 @@ class LambStrategy(Strategy):
     """Replace the Adam optimizer by LAMB."""
 
     name = "lamb"
+    config = LambConfig
+    paddle_name = "LambOptimizer"
     runs_after = (DataParallelStrategy,)  # no data dependency: listed after the engine
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

@@ -28,17 +28,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetx.comm.groups import default_timeout
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.dgc import DGCStrategy
+from fleetx.strategy.algorithms.lamb import LambStrategy
+from fleetx.strategy.algorithms.lars import LarsStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
+from fleetx.strategy.algorithms.recompute import RecomputeStrategy
+from fleetx.strategy.algorithms.sharding_engine import (eval_guard, rebound_optimizer,
+                                                        shard_in_place, sharding_group,
+                                                        zero_optimizer)
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register)
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.dgc import DGCStrategy
-from fleetx.strategy.lamb import LambStrategy
-from fleetx.strategy.lars import LarsStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
-from fleetx.strategy.recompute import RecomputeStrategy
-from fleetx.strategy.sharding_engine import (eval_guard, rebound_optimizer, shard_in_place,
-                                             sharding_group, zero_optimizer)
 from fleetx.strategy.topology import resolve
 
 __all__ = ["ShardingConfig", "ShardingStrategy"]
@@ -130,6 +131,8 @@ class ShardingStrategy(Strategy):
     (under data parallel), stages 2 and 3 with FSDP2 ``fully_shard`` (instead of it)."""
 
     name = "sharding"
+    config = ShardingConfig
+    paddle_name = "ShardingOptimizer"
     # Rebuild the optimizer that LARS / LAMB chose; shard the modules recompute names (it
     # resolves them on the plain model, whose names FSDP2 keeps).
     runs_after = (LarsStrategy, LambStrategy, RecomputeStrategy)

@@ -22,11 +22,11 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.localsgd import (LocalSGDStrategy, average, check_local_sgd,
+                                                 model_parameters, sync_in_warmup)
 from fleetx.strategy.api import PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.localsgd import (LocalSGDStrategy, average, check_local_sgd,
-                                      model_parameters, sync_in_warmup)
 
 __all__ = ["AdaptiveLocalSGDConfig", "AdaptiveLocalSGDStrategy", "next_interval",
            "AdaptiveInterval", "MAX_K_STEPS"]
@@ -141,6 +141,8 @@ class AdaptiveLocalSGDStrategy(Strategy):
     """Local SGD whose averaging interval follows the learning rate and the loss."""
 
     name = "adaptive_localsgd"
+    config = AdaptiveLocalSGDConfig
+    paddle_name = "AdaptiveLocalSGDOptimizer"
     requires = (DataParallelStrategy,)
     conflicts = (LocalSGDStrategy,)
 

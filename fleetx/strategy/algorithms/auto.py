@@ -123,7 +123,7 @@ def _choices(base: Any, plan_input: PlanInput) -> list[list[tuple[str, Any]]]:
         dims.append([("", {}), ("recompute", {"recompute": True,
                                               "recompute_configs": {"checkpoints": list(blocks)}})])
     if _searchable(base, "sharding") and plan_input.world.world_size > 1:
-        from fleetx.strategy.sharding import ShardingConfig
+        from fleetx.strategy.algorithms.sharding import ShardingConfig
         if "stage" in ShardingConfig.specs():
             dims.append([("", {})] + [(f"sharding stage {k}", {
                 "sharding": True, "sharding_configs": {"stage": k}}) for k in (1, 2, 3)])

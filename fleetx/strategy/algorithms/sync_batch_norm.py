@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
-from fleetx.strategy.data_parallel import DataParallelStrategy
 
 __all__ = ["SyncBatchNormStrategy"]
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fleetx.strategy.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
+from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
+from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register)
 from fleetx.strategy.config import Config, option
-from fleetx.strategy.data_parallel import DataParallelStrategy
-from fleetx.strategy.localsgd import LocalSGDStrategy
 from fleetx.strategy.topology import resolve
 
 __all__ = ["GradientMergeConfig", "GradientMergeStrategy"]
@@ -75,6 +75,8 @@ class GradientMergeStrategy(Strategy):
     """Accumulate ``k_steps`` micro-steps locally; communicate and step once."""
 
     name = "gradient_merge"
+    config = GradientMergeConfig
+    paddle_name = "GradientMergeOptimizer"
     # On top of data parallel: it decides on which micro-steps DDP synchronises.
     runs_after = (DataParallelStrategy,)
     # Local SGD already steps without communicating; which micro-steps would count as its steps
