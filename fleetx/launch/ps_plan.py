@@ -35,6 +35,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Optional
 
+from fleetx import env
 from fleetx.launch import hosts
 from fleetx.launch.api import ConfigError
 from fleetx.launch.config import LaunchConfig
@@ -48,7 +49,7 @@ WORKER_BASE_PORT = 6170
 _ROLE_NAMES = {"server": "server", "worker": "worker", "heter": "heter worker"}
 #: the servers' snapshots under failover (--max_restarts), inside the log folder by default
 SNAPSHOT_DIR = "ps_snapshots"
-DEFAULT_CHECKPOINT_INTERVAL = 30.0
+DEFAULT_CHECKPOINT_INTERVAL = env.default("FLEETX_PS_CHECKPOINT_INTERVAL")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ settings, errors.
 This is the one module the rest of :mod:`fleetx.ps` (and :mod:`fleetx.ps_torch`,
 :mod:`fleetx.nn`, users' scripts) imports the shared vocabulary from. It defines nothing
 itself: the vocabulary is written in four small modules beneath it, which import only one
-another and which no other module imports directly:
+another (and :mod:`fleetx.env`) and which no other module imports directly:
 
 * :mod:`fleetx.ps.wire` - the frame layout (``HEADER``, ``DESCRIPTOR``, flags, limits),
   :class:`Kind`, the dtype codes, :class:`Message` and its encoding and checks;
@@ -12,7 +12,8 @@ another and which no other module imports directly:
   ``fleetx.ps.api.*`` in tracebacks);
 * :mod:`fleetx.ps.specs` - :class:`RuleConfig`, :class:`InitConfig`, the admission entries,
   :class:`AccessorConfig`, :class:`SparseTableSpec`, :class:`DenseTableSpec`, :class:`Tables`;
-* :mod:`fleetx.ps.config` - :class:`PSMode`, :class:`PSConfig`, :class:`CommunicatorConfig`.
+* :mod:`fleetx.ps.config` - :class:`PSMode`, :class:`PSConfig`, :class:`CommunicatorConfig`,
+  and :func:`settings_from_env`, the one reader of the parameter-server variables.
 
 For everything else the modules of the package import one another in the layer order that
 :mod:`fleetx.ps` describes. The byte-level wire format is specified in
@@ -21,7 +22,7 @@ For everything else the modules of the package import one another in the layer o
 from __future__ import annotations
 
 from fleetx.ps.config import (NONFINITE, TRANSPORTS, CommunicatorConfig, Mode, PSConfig, PSMode,
-                              endpoint_of)
+                              PSSettings, endpoint_of, settings_from_env)
 from fleetx.ps.errors import (AuthError, ConfigError, PeerLostError, ProtocolError, PSConfigError,
                               PSError, PSTimeoutError, RemoteError, RequestError, StateError)
 from fleetx.ps.specs import (DEFAULT_MAX_PENDING, AccessorConfig, CountFilterEntry,
@@ -42,4 +43,5 @@ __all__ = [
     "ShowClickEntry", "AccessorConfig", "DEFAULT_MAX_PENDING", "SparseTableSpec",
     "DenseTableSpec", "Tables", "PSConfig", "CommunicatorConfig",
     "Message", "encode_frame", "parse_header", "read_descriptors", "Mode", "endpoint_of",
+    "PSSettings", "settings_from_env",
 ]

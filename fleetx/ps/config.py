@@ -4,6 +4,13 @@ failover), :class:`CommunicatorConfig` (a worker's sending knobs) and :class:`PS
 Both are frozen dataclasses checked on construction; a wrong value raises
 :class:`~fleetx.ps.api.PSConfigError` naming the field. Users import them from
 :mod:`fleetx.ps.api`.
+
+What the launcher contract says about them (``FLEETX_PS_*``, ``FLEETX_TIMEOUT``,
+``FLEETX_LOG_INTERVAL``, ``TORCHELASTIC_RESTART_COUNT``) is read in one place,
+:func:`settings_from_env`, into a :class:`PSSettings`; the servers' and workers' code takes the
+values from the :class:`PSConfig` it builds, never from the environment. Where a
+:class:`PSConfig` field and a variable mean the same, the field's default is the variable's,
+declared in :mod:`fleetx.env`.
 """
 from __future__ import annotations
 
@@ -12,11 +19,13 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping, Optional, Sequence
 
+from fleetx import env
 from fleetx.ps.errors import require as _require
 from fleetx.ps.wire import DEFAULT_MAX_FRAME_BYTES
 
 __all__ = [
     "PSMode", "Mode", "NONFINITE", "TRANSPORTS", "PSConfig", "CommunicatorConfig", "endpoint_of",
+    "PSSettings", "settings_from_env",
 ]
 
 
@@ -26,7 +35,6 @@ class PSMode(str, enum.Enum):
     SYNC = "sync"    # every step applies the mean of all workers' gradients
     ASYNC = "async"  # gradients are applied on arrival
     GEO = "geo"      # workers train locally and exchange parameter deltas every k steps
-
 
 
 # ``fleetx.ps.Mode`` was the name of :class:`PSMode` before ``fleetx.strategy.api.Mode``
@@ -100,24 +108,24 @@ class PSConfig:
     num_workers: int
     mode: PSMode = PSMode.ASYNC
     shard_num: int = 1000
-    heartbeat_interval: float = 3.0
-    dead_after: float = 15.0
-    timeout: float = 300.0
+    heartbeat_interval: float = env.default("FLEETX_PS_HEARTBEAT_INTERVAL")
+    dead_after: float = env.default("FLEETX_PS_DEAD_AFTER")
+    timeout: float = float(env.default("FLEETX_TIMEOUT"))
     log_interval: float = 60.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_connections: int = 0
     secret: Optional[str] = field(default=None, repr=False, compare=False)
     secret_file: Optional[str] = None
-    max_lr: float = 10.0
-    max_rows: int = 0
-    nonfinite: str = "refuse"
+    max_lr: float = env.default("FLEETX_PS_MAX_LR")
+    max_rows: int = env.default("FLEETX_PS_MAX_ROWS")
+    nonfinite: str = env.default("FLEETX_PS_NONFINITE")
     save_root: Optional[str] = None
-    transport: str = "tcp"
+    transport: str = env.default("FLEETX_PS_TRANSPORT")
     heter_workers: tuple = ()
     local_sockets: bool = True
     snapshot_dir: Optional[str] = None
-    snapshot_interval: float = 30.0
-    snapshot_job: str = ""
+    snapshot_interval: float = env.default("FLEETX_PS_CHECKPOINT_INTERVAL")
+    snapshot_job: str = env.default("FLEETX_PS_JOB_ID")
     restart_count: int = 0
 
     def __post_init__(self) -> None:
@@ -237,3 +245,125 @@ def endpoint_of(servers: Sequence[str], index: int) -> tuple[str, int]:
     """``(host, port)`` of server ``index``."""
     host, _, port = servers[index].rpartition(":")
     return host, int(port)
+
+
+@dataclass(frozen=True)
+class PSSettings:
+    """The parameter-server settings of the launcher contract, as :func:`settings_from_env`
+    read them: every :class:`PSConfig` field but the cluster's shape (servers, workers, mode,
+    heter workers), and the workers' progress interval. A field not read keeps
+    :class:`PSConfig`'s default.
+
+    Attributes:
+        log_interval: ``FLEETX_LOG_INTERVAL``: seconds between progress lines, 0 for none.
+        timeout: ``FLEETX_TIMEOUT``.
+        heartbeat_interval: ``FLEETX_PS_HEARTBEAT_INTERVAL``.
+        dead_after: ``FLEETX_PS_DEAD_AFTER``.
+        max_lr / max_rows / nonfinite / save_root: ``FLEETX_PS_MAX_LR``, ``FLEETX_PS_MAX_ROWS``,
+            ``FLEETX_PS_NONFINITE``, ``FLEETX_PS_SAVE_ROOT``.
+        secret_file / secret: ``FLEETX_PS_SECRET_FILE``, ``FLEETX_PS_SECRET`` (never shown).
+        max_frame_bytes: ``FLEETX_PS_MAX_FRAME_MB``, in bytes.
+        transport: ``FLEETX_PS_TRANSPORT``.
+        local_sockets: ``FLEETX_PS_LOCAL_SOCKETS`` is 1.
+        snapshot_dir / snapshot_interval / snapshot_job / restart_count: failover's
+            ``FLEETX_PS_CHECKPOINT_DIR`` (None: no failover, and the other three keep
+            :class:`PSConfig`'s defaults), ``FLEETX_PS_CHECKPOINT_INTERVAL``,
+            ``FLEETX_PS_JOB_ID`` and ``TORCHELASTIC_RESTART_COUNT``.
+    """
+
+    log_interval: float = env.default("FLEETX_LOG_INTERVAL")
+    timeout: float = PSConfig.timeout
+    heartbeat_interval: float = PSConfig.heartbeat_interval
+    dead_after: float = PSConfig.dead_after
+    max_lr: float = PSConfig.max_lr
+    max_rows: int = PSConfig.max_rows
+    nonfinite: str = PSConfig.nonfinite
+    save_root: Optional[str] = None
+    secret_file: Optional[str] = None
+    max_frame_bytes: int = PSConfig.max_frame_bytes
+    transport: str = PSConfig.transport
+    local_sockets: bool = PSConfig.local_sockets
+    snapshot_dir: Optional[str] = None
+    snapshot_interval: float = PSConfig.snapshot_interval
+    snapshot_job: str = PSConfig.snapshot_job
+    restart_count: int = 0
+    secret: Optional[str] = field(default=None, repr=False, compare=False)
+
+    def config(self, servers: Sequence[str], num_workers: int, mode: Any = PSMode.ASYNC,
+               heter_workers: Sequence[str] = ()) -> PSConfig:
+        """The cluster of ``servers`` and ``num_workers`` workers with these settings.
+
+        Raises:
+            PSConfigError: the values contradict each other.
+        """
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "log_interval"}
+        # 0 turns the servers' progress lines off: a server logs every log_interval seconds
+        interval = self.log_interval if self.log_interval > 0 else math.inf
+        return PSConfig(tuple(servers), num_workers, mode=mode, log_interval=interval,
+                        heter_workers=tuple(heter_workers), **values)
+
+
+def settings_from_env(environ: Optional[Mapping[str, str]] = None, *,
+                      servers: bool = True) -> PSSettings:
+    """The parameter-server settings from the environment (``environ``, the process environment
+    by default): the one place they are read. The secret is only named here (checked when a
+    connection is made); failover's variables are read only when
+    ``FLEETX_PS_CHECKPOINT_DIR`` turns it on.
+
+    Args:
+        environ: the mapping to read.
+        servers: False for a job without servers (its tables are local): only the progress
+            interval is read, since the other settings describe servers and links it does
+            not have (``FLEETX_TIMEOUT=0``, which a dataset reads as "no limit", stays valid
+            there).
+
+    Raises:
+        fleetx.env.EnvError: a variable is malformed: not a number, ``FLEETX_TIMEOUT`` not a
+            whole number above 0, ``FLEETX_PS_TRANSPORT`` not one of :data:`TRANSPORTS`, or
+            ``FLEETX_PS_LOCAL_SOCKETS`` neither 0 nor 1 (the message names it).
+
+    Example:
+        >>> settings_from_env({"FLEETX_PS_TRANSPORT": "zmq"}).transport
+        'zmq'
+    """
+    e = environ
+    log_interval = env.get_float("FLEETX_LOG_INTERVAL", env=e)
+    if not servers:
+        return PSSettings(log_interval=log_interval)
+    liveness = {"heartbeat_interval": env.get_float("FLEETX_PS_HEARTBEAT_INTERVAL", env=e),
+                "dead_after": env.get_float("FLEETX_PS_DEAD_AFTER", env=e),
+                "timeout": env.timeout(e)}
+    limits = {"max_lr": env.get_float("FLEETX_PS_MAX_LR", env=e),
+              "max_rows": env.get_int("FLEETX_PS_MAX_ROWS", env=e),
+              "nonfinite": env.get("FLEETX_PS_NONFINITE", env=e),
+              "save_root": env.get("FLEETX_PS_SAVE_ROOT", env=e)}
+    return PSSettings(log_interval=log_interval, **liveness, **limits, **_links(e),
+                      **_failover(e))
+
+
+def _links(e: Optional[Mapping[str, str]]) -> dict:
+    """The connection settings: transport, same-machine sockets, the secret, the frame limit."""
+    transport = env.get("FLEETX_PS_TRANSPORT", env=e)
+    if transport not in TRANSPORTS:
+        raise env.EnvError(f"environment variable FLEETX_PS_TRANSPORT={transport!r}: expected "
+                           f"one of {', '.join(TRANSPORTS)}")
+    local = env.get("FLEETX_PS_LOCAL_SOCKETS", env=e)
+    if local not in ("0", "1"):
+        raise env.EnvError(f"environment variable FLEETX_PS_LOCAL_SOCKETS={local!r}: expected "
+                           "1 (same-machine peers connect through a Unix-domain socket) or 0 "
+                           "(TCP only)")
+    return {"secret": env.get("FLEETX_PS_SECRET", env=e),
+            "secret_file": env.get("FLEETX_PS_SECRET_FILE", env=e),
+            "max_frame_bytes": int(env.get_float("FLEETX_PS_MAX_FRAME_MB", env=e) * (1 << 20)),
+            "transport": transport, "local_sockets": local == "1"}
+
+
+def _failover(e: Optional[Mapping[str, str]]) -> dict:
+    """Failover's settings, which fleetrun writes with ``--max_restarts``; none without it."""
+    folder = env.get("FLEETX_PS_CHECKPOINT_DIR", env=e)
+    if not folder:
+        return {}
+    return {"snapshot_dir": folder,
+            "snapshot_interval": env.get_float("FLEETX_PS_CHECKPOINT_INTERVAL", env=e),
+            "snapshot_job": env.get("FLEETX_PS_JOB_ID", env=e),
+            "restart_count": env.get_int("TORCHELASTIC_RESTART_COUNT", env=e)}

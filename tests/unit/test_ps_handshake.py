@@ -8,6 +8,7 @@ from fleetx import env
 from fleetx.ps import PSConfigError, PSConfig
 from fleetx.ps import handshake as hs
 from fleetx.ps.acceptor import RateLimitedLog
+from fleetx.ps.api import settings_from_env
 
 KEY = b"k3y"
 
@@ -46,25 +47,27 @@ def test_the_secret_comes_from_the_value_or_the_file(tmp_path):
 
 def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_SECRET": "s", "FLEETX_PS_MAX_FRAME_MB": "8"})
-    assert hs.settings_from_env() == {"secret": "s", "secret_file": None,
-                                      "max_frame_bytes": 8 << 20, "transport": "tcp",
-                                      "local_sockets": True}
+    links = settings_from_env()
+    assert {k: getattr(links, k) for k in ("secret", "secret_file", "max_frame_bytes",
+                                           "transport", "local_sockets")} == \
+        {"secret": "s", "secret_file": None, "max_frame_bytes": 8 << 20, "transport": "tcp",
+         "local_sockets": True}
 
 
 def test_the_local_sockets_variable_takes_0_or_1(monkeypatch):
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_LOCAL_SOCKETS": "0"})
-    assert hs.settings_from_env()["local_sockets"] is False
+    assert settings_from_env().local_sockets is False
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_LOCAL_SOCKETS": "yes"})
     with pytest.raises(env.EnvError, match="FLEETX_PS_LOCAL_SOCKETS='yes': expected 1 .* or 0"):
-        hs.settings_from_env()
+        settings_from_env()
 
 
 def test_the_transport_variable_takes_only_known_transports(monkeypatch):
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_TRANSPORT": "zmq"})
-    assert hs.settings_from_env()["transport"] == "zmq"
+    assert settings_from_env().transport == "zmq"
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_TRANSPORT": "udp"})
     with pytest.raises(env.EnvError, match="FLEETX_PS_TRANSPORT='udp': expected one of tcp, zmq"):
-        hs.settings_from_env()
+        settings_from_env()
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.9.9.9", True),
