@@ -1,5 +1,6 @@
 """The shared-secret handshake's pure parts: proofs, where the secret comes from, what counts as
 loopback, rate-limited warnings, and secrets kept out of environment snapshots."""
+import dataclasses
 import logging
 
 import pytest
@@ -52,6 +53,14 @@ def test_settings_from_the_environment(monkeypatch):
                                            "transport", "local_sockets")} == \
         {"secret": "s", "secret_file": None, "max_frame_bytes": 8 << 20, "transport": "tcp",
          "local_sockets": True}
+
+
+def test_unset_variables_give_the_configs_own_defaults():
+    # the frame limit and the local sockets are declared twice (MiB and "1" in fleetx/env.py,
+    # bytes and True in PSConfig): the two must agree
+    base = PSConfig(servers=("127.0.0.1:1",), num_workers=1)
+    assert settings_from_env({}).config(base.servers, 1) == dataclasses.replace(
+        base, log_interval=env.default("FLEETX_LOG_INTERVAL"))  # a server's own default: 60 s
 
 
 def test_the_local_sockets_variable_takes_0_or_1(monkeypatch):
