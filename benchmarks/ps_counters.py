@@ -61,7 +61,7 @@ class WorkerProbe:
         # a PUSH carries its dense slices last, one per table of meta["dense"]
         n_dense = len(msg.meta.get("dense", ())) if msg.kind.name == "PUSH" else 0
         dense = sum(sizes[len(sizes) - n_dense:]) if n_dense else 0
-        # the frame's header, descriptors and meta, as transport.encode_frame writes them
+        # the frame's header, descriptors and meta, as wire.encode_frame writes them
         framing = HEADER.size + DESCRIPTOR.size * len(sizes) + len(
             json.dumps(msg.meta, separators=(",", ":")))
         with self._lock:

@@ -13,9 +13,8 @@ import argparse
 import json
 import time
 
-from fleetx.ps.api import Kind
+from fleetx.ps.api import Kind, Message
 from fleetx.ps.tracker import Handle, Tracker
-from fleetx.ps.transport import Message
 
 N = 20_000
 

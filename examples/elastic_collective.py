@@ -51,7 +51,7 @@ def main() -> None:
     # Restores model, optimizer and strategy state when the folder holds a checkpoint (a
     # restarted job) and returns the optimizer steps it had taken; 0 on a fresh start.
     start = fleet.auto_checkpoint(args.ckpt, every_steps=args.every)
-    restart = env.get_int("TORCHELASTIC_RESTART_COUNT", 0)
+    restart = env.get_int("TORCHELASTIC_RESTART_COUNT")
     fleet.util.print_on_rank(f"restart {restart}: starting at step {start} of {args.steps} "
                              f"with {fleet.worker_num()} process(es)", 0)
     for step in range(start, args.steps):

@@ -144,10 +144,10 @@ def expand_tasks_per_node(text: str) -> list[int]:
 
 def slurm_master_port(environ: Optional[Mapping[str, str]] = None) -> int:
     """``MASTER_PORT`` when set, else 20000 + (``SLURM_JOB_ID`` mod 10000), else 6070."""
-    port = env.get_int("MASTER_PORT", None, environ)
+    port = env.get_int("MASTER_PORT", env=environ)
     if port is not None:
         return _checked_port(port)
-    job = env.get_int("SLURM_JOB_ID", None, environ)
+    job = env.get_int("SLURM_JOB_ID", env=environ)
     return DEFAULT_MASTER_PORT if job is None else _SLURM_PORT_BASE + job % _SLURM_PORT_SPAN
 
 
@@ -171,9 +171,9 @@ def detect(environ: Optional[Mapping[str, str]] = None,
         fleetx.env.EnvError: a malformed or inconsistent variable, or an MPI job of several
             processes without ``MASTER_ADDR``; the message names the variables.
     """
-    if env.is_set("SLURM_HET_SIZE", environ):
+    if env.is_set("SLURM_HET_SIZE", env=environ):
         raise env.EnvError(
-            f"SLURM_HET_SIZE={env.get('SLURM_HET_SIZE', None, environ)}: this is a heterogeneous "
+            f"SLURM_HET_SIZE={env.get('SLURM_HET_SIZE', env=environ)}: this is a heterogeneous "
             "Slurm job, whose components number their tasks apart; fleetx does not read them. "
             "Launch each component as a job of its own, or pass RANK, WORLD_SIZE, LOCAL_RANK, "
             "MASTER_ADDR and MASTER_PORT explicitly")
@@ -190,9 +190,9 @@ def _srun_pmi(e: Optional[Mapping[str, str]], with_master: bool) -> Optional[Clu
     says where task 0 runs. (Hydra's mpirun inside an allocation numbers its ranks apart from
     the allocation's ``SLURM_PROCID``: MPICH's reader takes those.)"""
     names = ("PMI_RANK", "SLURM_PROCID"), ("PMI_SIZE", "SLURM_NTASKS")
-    if not all(env.is_set(n, e) for pair in names for n in pair):
+    if not all(env.is_set(n, env=e) for pair in names for n in pair):
         return None
-    if any(env.get(a, None, e) != env.get(b, None, e) for a, b in names):
+    if any(env.get(a, env=e) != env.get(b, env=e) for a, b in names):
         return None
     return _slurm(e, with_master)
 
@@ -201,11 +201,11 @@ def _launch(launcher: str, names: tuple, local_size_name: Optional[str], master_
             e: Optional[Mapping[str, str]], with_master: bool) -> Optional[ClusterLaunch]:
     """Read and check one launcher's rank / size / local rank / local size variables."""
     rank_name, world_name, local_name = names
-    if not (env.is_set(rank_name, e) and env.is_set(world_name, e)):
+    if not (env.is_set(rank_name, env=e) and env.is_set(world_name, env=e)):
         return None
-    rank, world = env.get_int(rank_name, None, e), env.get_int(world_name, None, e)
-    local = env.get_int(local_name, 0, e)
-    local_size = env.get_int(local_size_name, None, e) if local_size_name else None
+    rank, world = env.get_int(rank_name, env=e), env.get_int(world_name, env=e)
+    local = env.get_int(local_name, env=e)
+    local_size = env.get_int(local_size_name, env=e) if local_size_name else None
     if world < 1:
         raise env.EnvError(f"{world_name}={world} must be >= 1")
     if not 0 <= rank < world:
@@ -220,14 +220,15 @@ def _launch(launcher: str, names: tuple, local_size_name: Optional[str], master_
 
 def _mpi_master(launcher: str, flag: str, sep: str):
     def master(e: Optional[Mapping[str, str]]) -> tuple:
-        addr = env.get("MASTER_ADDR", None, e)
+        addr = env.get("MASTER_ADDR", env=e)
         if addr is None:
             raise env.EnvError(
                 f"{launcher} started this process in a job of several, but MASTER_ADDR is not "
                 f"set: MPI does not say where rank 0 runs. Pass the address of rank 0's host, "
                 f"e.g. `mpirun {flag}MASTER_ADDR{sep}$(hostname) ...` (MASTER_PORT too, default "
                 f"{DEFAULT_MASTER_PORT})")
-        return addr, _checked_port(env.get_int("MASTER_PORT", DEFAULT_MASTER_PORT, e))
+        port = env.get_int("MASTER_PORT", env=e)  # MPI names no port: fleetx's own when unset
+        return addr, _checked_port(DEFAULT_MASTER_PORT if port is None else port)
     return master
 
 
@@ -257,12 +258,12 @@ def _slurm(e: Optional[Mapping[str, str]], with_master: bool) -> Optional[Cluste
 
 
 def _slurm_master(e: Optional[Mapping[str, str]]) -> tuple:
-    addr = env.get("MASTER_ADDR", None, e)
+    addr = env.get("MASTER_ADDR", env=e)
     if addr is None:
         # Task 0 runs on the first node of the step (block or cyclic distribution alike).
         for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-            if env.is_set(name, e):
-                addr = expand_hostlist(env.get(name, None, e))[0]
+            if env.is_set(name, env=e):
+                addr = expand_hostlist(env.get(name, env=e))[0]
                 break
         else:
             raise env.EnvError("Slurm started this process in a job of several, but neither "
@@ -276,16 +277,16 @@ def _slurm_local_size(e: Optional[Mapping[str, str]]) -> Optional[int]:
     else ``SLURM_NTASKS_PER_NODE`` (--ntasks-per-node, which a step inherits from its job);
     else this node's entry of the job's."""
     names = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
-    if not env.is_set(names[0], e):
-        fixed = env.get_int("SLURM_NTASKS_PER_NODE", None, e)
+    if not env.is_set(names[0], env=e):
+        fixed = env.get_int("SLURM_NTASKS_PER_NODE", env=e)
         if fixed is not None:
             return fixed
     for name in names:
-        if env.is_set(name, e):
-            counts = expand_tasks_per_node(env.get(name, None, e))
-            node = env.get_int("SLURM_NODEID", 0, e)
+        if env.is_set(name, env=e):
+            counts = expand_tasks_per_node(env.get(name, env=e))
+            node = env.get_int("SLURM_NODEID", env=e)
             if not 0 <= node < len(counts):
                 raise env.EnvError(f"SLURM_NODEID={node} is outside the {len(counts)} nodes of "
-                                   f"{name}={env.get(name, None, e)}")
+                                   f"{name}={env.get(name, env=e)}")
             return counts[node]
     return None

@@ -229,13 +229,13 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     def _collective_role(self) -> None:
         e = self._env
         self._refuse_ps_launch()
-        role = env.get("PADDLE_TRAINING_ROLE", "TRAINER", e)
+        role = env.get("PADDLE_TRAINING_ROLE", env=e)
         if role != "TRAINER":
             raise env.EnvError(f"PADDLE_TRAINING_ROLE={role!r}: a collective job has only "
                                f"TRAINER processes")
-        endpoints = env.get_list("PADDLE_TRAINER_ENDPOINTS", e)
-        paddle_id = env.get_int("PADDLE_TRAINER_ID", None, e)
-        rank = env.get_int("RANK", None, e)
+        endpoints = env.get_list("PADDLE_TRAINER_ENDPOINTS", env=e)
+        paddle_id = env.get_int("PADDLE_TRAINER_ID", env=e)
+        rank = env.get_int("RANK", env=e)
         self._role = Role.WORKER
         world = self._agreed_world(endpoints)
         cluster = clusters.detect(e) if world is None else self._same_cluster(world)
@@ -261,8 +261,8 @@ class PaddleCloudRoleMaker(RoleMakerBase):
                                f"[0, {self._num_workers}) given by the world size")
         self._worker_endpoints = endpoints  # may stay empty under torchrun; filled after init
         self._local_rank = self._agreed_local_rank()
-        self._local_world_size = env.get_int("LOCAL_WORLD_SIZE", None, e) or 1
-        if self._local_rank < 0 or (env.is_set("LOCAL_WORLD_SIZE", e)
+        self._local_world_size = env.get_int("LOCAL_WORLD_SIZE", env=e) or 1
+        if self._local_rank < 0 or (env.is_set("LOCAL_WORLD_SIZE", env=e)
                                     and self._local_rank >= self._local_world_size):
             raise env.EnvError(f"LOCAL_RANK={self._local_rank} is outside [0, "
                                f"{self._local_world_size}) given by LOCAL_WORLD_SIZE")
@@ -273,7 +273,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         another world: ``srun fleetrun ...`` / ``srun torchrun ...`` start one launcher per node,
         whose processes inherit Slurm's variables for the launchers, and an elastic agent
         between (``TORCHELASTIC_RESTART_COUNT`` set) numbers the ranks itself."""
-        if env.is_set("TORCHELASTIC_RESTART_COUNT", self._env):
+        if env.is_set("TORCHELASTIC_RESTART_COUNT", env=self._env):
             return None
         cluster = clusters.detect(self._env, with_master=False)
         return cluster if cluster is not None and cluster.world_size == world else None
@@ -286,10 +286,10 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         self._master = cluster.master
         self._local_rank = cluster.local_rank
         self._local_world_size = (cluster.local_world_size
-                                  or env.get_int("LOCAL_WORLD_SIZE", None, self._env) or 1)
+                                  or env.get_int("LOCAL_WORLD_SIZE", env=self._env) or 1)
         # As under torchrun, an unknown local size is 1 and not checked (the launcher checked
         # its own; only LOCAL_WORLD_SIZE given by hand can contradict it).
-        if cluster.local_world_size is None and env.is_set("LOCAL_WORLD_SIZE", self._env) \
+        if cluster.local_world_size is None and env.is_set("LOCAL_WORLD_SIZE", env=self._env) \
                 and self._local_rank >= self._local_world_size:
             raise env.EnvError(f"{cluster.describe('local_rank')} is outside [0, "
                                f"{self._local_world_size}) given by LOCAL_WORLD_SIZE")
@@ -300,8 +300,8 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         e = self._env
         for name, value, what in (
                 ("PADDLE_TRAINER_ID", paddle_id, "rank"), ("RANK", rank, "rank"),
-                ("LOCAL_RANK", env.get_int("LOCAL_RANK", None, e), "local_rank"),
-                ("PADDLE_RANK_IN_NODE", env.get_int("PADDLE_RANK_IN_NODE", None, e),
+                ("LOCAL_RANK", env.get_int("LOCAL_RANK", env=e), "local_rank"),
+                ("PADDLE_RANK_IN_NODE", env.get_int("PADDLE_RANK_IN_NODE", env=e),
                  "local_rank")):
             if value is not None and value != getattr(cluster, what):
                 raise env.EnvError(f"{name}={value} disagrees with {cluster.describe(what)} "
@@ -309,19 +309,19 @@ class PaddleCloudRoleMaker(RoleMakerBase):
 
     def _get_local_device_ids(self) -> Optional[str]:
         """``PADDLE_LOCAL_DEVICE_IDS`` as the launcher wrote it (None when unset)."""
-        return env.get("PADDLE_LOCAL_DEVICE_IDS", None, self._env)
+        return env.get("PADDLE_LOCAL_DEVICE_IDS", env=self._env)
 
     def _get_world_device_ids(self) -> Optional[str]:
         """``PADDLE_WORLD_DEVICE_IDS`` as the launcher wrote it (None when unset)."""
-        return env.get("PADDLE_WORLD_DEVICE_IDS", None, self._env)
+        return env.get("PADDLE_WORLD_DEVICE_IDS", env=self._env)
 
     def _refuse_ps_launch(self) -> None:
         """A collective script started by a parameter-server launch: say so, rather than fail
         later on a variable (PADDLE_TRAINER_ID) that a server process is never given."""
-        servers = env.get("PADDLE_PSERVERS_IP_PORT_LIST", None, self._env)
+        servers = env.get("PADDLE_PSERVERS_IP_PORT_LIST", env=self._env)
         if servers is None:
             return
-        role = env.get("TRAINING_ROLE", "?", self._env)
+        role = env.get("TRAINING_ROLE", env=self._env) or "?"
         raise env.EnvError(
             f"fleet.init(is_collective=True) in a process of a parameter-server launch "
             f"(TRAINING_ROLE={role}, PADDLE_PSERVERS_IP_PORT_LIST={servers}): the script asks "
@@ -339,10 +339,10 @@ class PaddleCloudRoleMaker(RoleMakerBase):
         e = self._env
         given = [(name, value) for name, value in (
             ("PADDLE_TRAINER_ENDPOINTS", len(endpoints) if endpoints else None),
-            ("WORLD_SIZE", env.get_int("WORLD_SIZE", None, e)),
+            ("WORLD_SIZE", env.get_int("WORLD_SIZE", env=e)),
         ) if value is not None]
-        if not given and env.is_set("PADDLE_TRAINERS_NUM", e):
-            given = [("PADDLE_TRAINERS_NUM", env.get_int("PADDLE_TRAINERS_NUM", None, e))]
+        if not given and env.is_set("PADDLE_TRAINERS_NUM", env=e):
+            given = [("PADDLE_TRAINERS_NUM", env.get_int("PADDLE_TRAINERS_NUM", env=e))]
         if not given:
             return None
         first_name, first = given[0]
@@ -369,8 +369,8 @@ class PaddleCloudRoleMaker(RoleMakerBase):
 
     def _agreed_local_rank(self) -> int:
         e = self._env
-        paddle_local = env.get_int("PADDLE_RANK_IN_NODE", None, e)
-        local = env.get_int("LOCAL_RANK", None, e)
+        paddle_local = env.get_int("PADDLE_RANK_IN_NODE", env=e)
+        local = env.get_int("LOCAL_RANK", env=e)
         if paddle_local is not None and local is not None and paddle_local != local:
             raise env.EnvError(f"PADDLE_RANK_IN_NODE={paddle_local} disagrees with "
                                f"LOCAL_RANK={local}")
@@ -379,8 +379,8 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     # -- parameter server ---------------------------------------------------------------------
     def _ps_role(self) -> None:
         e = self._env
-        servers = env.get_list("PADDLE_PSERVERS_IP_PORT_LIST", e)
-        if not servers and (any(env.is_set(name, e) for name in _COLLECTIVE_LAUNCH)
+        servers = env.get_list("PADDLE_PSERVERS_IP_PORT_LIST", env=e)
+        if not servers and (any(env.is_set(name, env=e) for name in _COLLECTIVE_LAUNCH)
                             or _cluster_job(e)):
             # A collective launcher (fleetrun --nproc_per_node, torchrun, srun, mpirun) started
             # this process
@@ -395,20 +395,20 @@ class PaddleCloudRoleMaker(RoleMakerBase):
             self._role, self._current_id, self._num_workers = Role.WORKER, 0, 1
             return
         self._server_endpoints = servers
-        self._worker_endpoints = env.get_list("PADDLE_TRAINER_ENDPOINTS", e)
-        num = env.get_int("PADDLE_TRAINERS_NUM", None, e)
+        self._worker_endpoints = env.get_list("PADDLE_TRAINER_ENDPOINTS", env=e)
+        num = env.get_int("PADDLE_TRAINERS_NUM", env=e)
         if num is None:
             raise env.EnvError("Can not find PADDLE_TRAINERS_NUM, please check your environment.")
         if num < 1:
             raise env.EnvError(f"PADDLE_TRAINERS_NUM={num} must be >= 1")
         self._num_workers = num
         self._heter_endpoints = self._heter_list()
-        role = env.get("TRAINING_ROLE", None, e)
+        role = env.get("TRAINING_ROLE", env=e)
         if role is None:
             raise env.EnvError("Can not find TRAINING_ROLE, please check your environment.")
         if role == "TRAINER":
             self._role = Role.WORKER
-            tid = env.get_int("PADDLE_TRAINER_ID", None, e)
+            tid = env.get_int("PADDLE_TRAINER_ID", env=e)
             if tid is None:
                 raise env.EnvError("Can not find PADDLE_TRAINER_ID, please check your "
                                    "environment.")
@@ -433,8 +433,8 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     def _heter_list(self) -> list[str]:
         """The heter workers' endpoints (2.2's name, or 2.0's; both set, they must agree)."""
         e = self._env
-        new = env.get_list("PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST", e)
-        old = env.get_list("PADDLE_HETER_TRAINER_IP_PORT_LIST", e)
+        new = env.get_list("PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST", env=e)
+        old = env.get_list("PADDLE_HETER_TRAINER_IP_PORT_LIST", env=e)
         if new and old and new != old:
             raise env.EnvError(f"PADDLE_HETER_TRAINER_IP_PORT_LIST={','.join(old)} disagrees with "
                                f"PADDLE_ALL_HETER_TRAINER_IP_PORT_LIST={','.join(new)}")
@@ -443,7 +443,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     def _server_id(self, servers: list[str], what: str = "server",
                    variable: str = "PADDLE_PSERVERS_IP_PORT_LIST") -> int:
         e = self._env
-        ip, port = env.get("POD_IP", None, e), env.get("PADDLE_PORT", None, e)
+        ip, port = env.get("POD_IP", env=e), env.get("PADDLE_PORT", env=e)
         if ip is None:
             raise env.EnvError("Can not find POD_IP, please check your environment.")
         if port is None:

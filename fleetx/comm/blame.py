@@ -148,7 +148,7 @@ def _unreachable(failed: Call, members: list[int], peers: list[int], rank: int,
     the node that holds the store (rank 0's), or that node is gone."""
     where = ""
     if env.is_set("MASTER_ADDR"):
-        where = f" at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT', '?')}"
+        where = f" at {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT') or '?'}"
     names = ", ".join(str(p) for p in peers)
     message = (f"rank{'s' if len(peers) > 1 else ''} {names} did not arrive at {failed.op} "
                f"#{failed.seq} on group {failed.group} (ranks {members}) within {waited:.0f} s, "

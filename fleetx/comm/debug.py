@@ -44,7 +44,7 @@ def requested() -> bool:
     Raises:
         fleetx.env.EnvError: the value is not 0 or 1.
     """
-    value = env.get("FLEETX_DEBUG_COLLECTIVES", "0")
+    value = env.get("FLEETX_DEBUG_COLLECTIVES")
     if value not in ("0", "1"):
         raise env.EnvError(f"FLEETX_DEBUG_COLLECTIVES={value!r} must be 0 or 1")
     return value == "1"

@@ -34,17 +34,18 @@ _REPORT_S = 1.0
 
 
 def default_timeout(environ: Optional[Mapping[str, str]] = None) -> float:
-    """Seconds a rendezvous or collective may wait for a peer (``FLEETX_TIMEOUT``; 300), from
-    ``environ`` (the process environment by default)."""
-    value = env.get_int("FLEETX_TIMEOUT", 300, environ)
-    if value <= 0:
-        raise env.EnvError(f"FLEETX_TIMEOUT={value} must be > 0 seconds")
-    return float(value)
+    """Seconds a rendezvous or collective may wait for a peer (``FLEETX_TIMEOUT``, read by
+    :func:`fleetx.env.timeout`), from ``environ`` (the process environment by default).
+
+    Raises:
+        fleetx.env.EnvError: it is not a whole number of seconds above 0.
+    """
+    return env.timeout(environ)
 
 
 def pick_backend(requested: Optional[str] = None) -> str:
     """``nccl`` when CUDA is usable and nothing else was asked for, else ``gloo``."""
-    requested = (requested or env.get("PADDLE_DISTRI_BACKEND", "auto")).lower()
+    requested = (requested or env.get("PADDLE_DISTRI_BACKEND")).lower()
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if requested not in ("gloo", "nccl"):
@@ -118,10 +119,10 @@ class ProcessGroups:
             return cls._adopt(rank, world_size, endpoints, timeout)
         backend = pick_backend(backend)
         addr, port = _master_address(endpoints, master)
-        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = _connect_store(addr, port, rank, world_size, timeout, agent_store)
         # An elastic restart reuses the agent's store: keep each attempt's keys apart.
-        store = dist.PrefixStore(f"fleetx/{env.get_int('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+        store = dist.PrefixStore(f"fleetx/{env.get_int('TORCHELASTIC_RESTART_COUNT')}", store)
         me = endpoints[rank] if endpoints else f"{_local_ip(addr)}:{port + 1 + rank}"
         store.set(f"fleetx/join/{rank}", me)
         _wait_for_ranks(store, world_size, timeout, endpoints)
@@ -145,9 +146,9 @@ class ProcessGroups:
         comm = cls._with_groups(rank, world_size, backend, list(endpoints), timeout, owned=False)
         if not comm.endpoints:
             hosts: list = [None] * world_size
-            dist.all_gather_object(hosts, _local_ip(env.get("MASTER_ADDR", "127.0.0.1")),
+            dist.all_gather_object(hosts, _local_ip(env.get("MASTER_ADDR") or "127.0.0.1"),
                                    group=comm.host_group)
-            port = env.get_int("MASTER_PORT", 0)
+            port = env.get_int("MASTER_PORT") or 0  # only names nominal ports here
             comm.endpoints = [f"{h}:{port + 1 + r}" for r, h in enumerate(hosts)]
         # The script's own store: progress reports go under a prefix of their own.
         comm._watch(dist.PrefixStore("fleetx/progress",

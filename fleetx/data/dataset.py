@@ -141,14 +141,14 @@ class DatasetBase:
         if not self.slots:
             raise DataError(f"{type(self).__name__}: no slots declared; call init(use_var=[...])"
                             f" or init(slots=[...]) first")
-        silent = env.get_limit("FLEETX_TIMEOUT", 300.0)  # a hung command is an error
+        silent = env.get_limit("FLEETX_TIMEOUT")  # a hung command is an error
         options = ReadOptions(self.slots, self.download_cmd, self.pipe_command,
                               self.skip_bad_lines, timeout=silent)
         return ParallelReader(self.filelist, options, threads or self._readers(), self.reader,
                               bound)
 
     def _read_blocks(self, reader: ParallelReader, what: str) -> Iterator[SampleBlock]:
-        report = progress_printer(env.get_float("FLEETX_LOG_INTERVAL", 10.0), what)
+        report = progress_printer(env.get_float("FLEETX_LOG_INTERVAL"), what)
         try:
             for _, block in reader:
                 report(reader)

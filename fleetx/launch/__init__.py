@@ -3,10 +3,9 @@
 Three thin layers: the command line (``cli.py``) becomes a :class:`LaunchConfig`
 (``config.py``); :func:`launch` picks the controller for its run mode; the collective controller
 (``collective.py``, its decisions in ``collective_plan.py``) hands the processes to the torch
-elastic agent, and the parameter-server controller (``fleetx.launch.ps``) runs servers and
-trainers. Every process starts in
-``bootstrap.py``, which sets its ``PADDLE_*`` variables and sends its output to
-``<log_dir>/workerlog.<rank>``.
+elastic agent, and the parameter-server controller (``ps.py``, its decisions in
+``ps_plan.py``) runs servers and trainers. Every process starts in ``bootstrap.py``, which sets
+its ``PADDLE_*`` variables and sends its output to ``<log_dir>/workerlog.<rank>``.
 
 Example:
     >>> from fleetx.launch import LaunchConfig, launch

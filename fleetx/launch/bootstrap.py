@@ -176,8 +176,8 @@ def _gather_endpoints(own: str, rank: int, world_size: int) -> Optional[list[str
     from torch.distributed import TCPStore  # only elastic jobs pay for torch here
 
     store = TCPStore(env.get("MASTER_ADDR"), env.get_int("MASTER_PORT"), is_master=False,
-                     timeout=timedelta(seconds=env.get_int("FLEETX_TIMEOUT", 300)))
-    prefix = f"fleetx/launch/{env.get_int('TORCHELASTIC_RESTART_COUNT', 0)}/endpoint/"
+                     timeout=timedelta(seconds=env.get_int("FLEETX_TIMEOUT")))
+    prefix = f"fleetx/launch/{env.get_int('TORCHELASTIC_RESTART_COUNT')}/endpoint/"
     store.set(f"{prefix}{rank}", own)
     return [store.get(f"{prefix}{r}").decode() for r in range(world_size)]
 
@@ -246,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if rank is None or local_rank is None or world_size is None:
         raise env.EnvError("RANK, LOCAL_RANK and WORLD_SIZE must be set (fleetrun sets them)")
     endpoints = configure(setup, rank, local_rank, world_size)
-    restarted = env.get_int("TORCHELASTIC_RESTART_COUNT", 0) > 0
+    restarted = env.get_int("TORCHELASTIC_RESTART_COUNT") > 0
     if local_rank == 0:
         print(banner.envs_table(env.snapshot()), flush=True)
         print(f"details about PADDLE_TRAINER_ENDPOINTS can be found in "

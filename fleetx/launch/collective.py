@@ -182,7 +182,7 @@ def _plan_here(config: LaunchConfig, **probes) -> CollectivePlan:
 
 
 def _timeout() -> float:
-    """``FLEETX_TIMEOUT`` (300 s when unset).
+    """``FLEETX_TIMEOUT`` (its default, declared in :mod:`fleetx.env`, when unset).
 
     Raises:
         LaunchError: it is not a whole number of seconds above 0.

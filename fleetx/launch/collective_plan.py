@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Collection, Optional
 
+from fleetx import env
 from fleetx.launch import hosts
 from fleetx.launch.api import ConfigError, NodeSetup
 from fleetx.launch.config import LaunchConfig
@@ -32,6 +33,8 @@ from fleetx.launch.config import LaunchConfig
 __all__ = ["CollectivePlan", "plan", "DEFAULT_MASTER_PORT"]
 
 DEFAULT_MASTER_PORT = 6070
+#: seconds the rendezvous waits for the other nodes unless told otherwise (``FLEETX_TIMEOUT``)
+_TIMEOUT = float(env.default("FLEETX_TIMEOUT"))
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class CollectivePlan:
     script: str
     script_args: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-    timeout: float = 300.0
+    timeout: float = _TIMEOUT
     shown: object = (0,)
 
     @property
@@ -175,7 +178,7 @@ def plan(config: LaunchConfig, *, cuda_count: Optional[int] = None,
          is_local: Callable[[str], bool] = hosts.is_local_address,
          free_ports: Callable[[int], list[int]] = hosts.free_ports,
          interface_of: Callable[[str], Optional[str]] = hosts.interface_of,
-         launcher_pid: int = 0, timeout: float = 300.0) -> CollectivePlan:
+         launcher_pid: int = 0, timeout: float = _TIMEOUT) -> CollectivePlan:
     """Decide how this node runs ``config``; the probes are parameters so tests can fake them.
 
     Args:

@@ -55,7 +55,7 @@ class ScalarWriter:
             path = csv_path(log_dir, rank)
             # a restarted process (fleetrun --max_restarts, elastic) goes on with its rank's
             # rows; a new run starts the file afresh
-            resume = env.get_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and _has_header(path)
+            resume = env.get_int("TORCHELASTIC_RESTART_COUNT") > 0 and _has_header(path)
             self._file = open(path, "a" if resume else "w", newline="")
             self._csv = csv.writer(self._file)
             if not resume:

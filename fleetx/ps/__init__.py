@@ -2,7 +2,9 @@
 
 Layers, bottom up (each imports only the ones below it and the contract in :mod:`.api`):
 
-* :mod:`.api` - wire format, message kinds, table/rule/cluster specs, errors.
+* :mod:`.api` - the contract: wire format, message kinds, table/rule/cluster specs, errors,
+  written in :mod:`.wire`, :mod:`.errors`, :mod:`.specs` and :mod:`.config` and taken from
+  :mod:`.api` by every other module.
 * :mod:`.handshake` - the shared-secret handshake every connection starts with, and connect.
 * :mod:`.transport` - framed links: heartbeats, liveness, frame limits, queued replies.
 * :mod:`.acceptor` - a server's accept loop: handshakes without a thread each, connection caps.

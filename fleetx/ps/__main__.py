@@ -17,8 +17,7 @@ import logging
 import sys
 
 from fleetx.checkpoint import CheckpointError
-from fleetx.ps.api import PSConfig, PSError, Tables
-from fleetx.ps.handshake import settings_from_env
+from fleetx.ps.api import PSConfig, PSError, Tables, settings_from_env
 from fleetx.ps.server import PSServer
 
 
@@ -39,7 +38,9 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(message)s")
     with open(args.cluster) as f:
         spec = json.load(f)
-    secret = {k: v for k, v in settings_from_env().items() if k.startswith("secret") and v}
+    settings = settings_from_env()
+    secret = {k: v for k, v in (("secret", settings.secret),
+                                ("secret_file", settings.secret_file)) if v}
     config = PSConfig(**{**spec["config"], **({"save_root": args.save_root}
                                               if args.save_root else {}), **secret})
     tables = Tables.from_json(json.dumps(spec["tables"]))

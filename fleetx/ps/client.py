@@ -26,13 +26,13 @@ import numpy as np
 from fleetx.checkpoint import FileEntry
 from fleetx.ps import kernels
 from fleetx.ps.buffers import BufferPool
-from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, PSConfig, PSError, Tables,
-                           endpoint_of)
+from fleetx.ps.api import (PSConfigError, Kind, Message, PSMode, PeerLostError, PSConfig, PSError,
+                           Tables, endpoint_of)
 from fleetx.ps.partition import Route, dense_ranges, route
 from fleetx.ps.failover import Failover
 from fleetx.ps.tracker import Handle, Tracker
 from fleetx.ps.handshake import connect, resolve_secret
-from fleetx.ps.transport import Heartbeats, Link, Message
+from fleetx.ps.transport import Heartbeats, Link
 
 __all__ = ["KVClient", "SparseRows", "PullResult"]
 

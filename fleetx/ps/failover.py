@@ -24,9 +24,10 @@ import threading
 import time
 from typing import Any
 
-from fleetx.ps.api import AuthError, Kind, PeerLostError, PSError, PSTimeoutError, endpoint_of
+from fleetx.ps.api import (AuthError, Kind, Message, PeerLostError, PSError, PSTimeoutError,
+                           endpoint_of)
 from fleetx.ps.tracker import Handle
-from fleetx.ps.transport import Link, Message
+from fleetx.ps.transport import Link
 
 __all__ = ["Failover"]
 

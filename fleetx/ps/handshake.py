@@ -26,15 +26,14 @@ import socket
 import struct
 import threading
 import time
-from typing import Mapping, Optional
+from typing import Optional
 
-from fleetx import env
 from fleetx.ps import local as local_links
-from fleetx.ps.api import TRANSPORTS, AuthError, PSConfigError, PSConfig, PSTimeoutError
+from fleetx.ps.api import AuthError, PSConfigError, PSConfig, PSTimeoutError
 
 __all__ = ["CHALLENGE", "RESPONSE_BYTES", "OK", "REJECTED", "BUSY", "VERDICT_OK_BYTES",
            "resolve_secret", "require_secret", "Challenge", "client_handshake", "is_loopback",
-           "SECRET_VARIABLES", "connect", "settings_from_env"]
+           "SECRET_VARIABLES", "connect"]
 
 log = logging.getLogger("fleetx.ps")
 
@@ -52,34 +51,6 @@ _HOW = ("every process of a job needs the same secret: fleetrun makes one per jo
 
 _HANDSHAKE_TIMEOUT = 30.0
 _warned = threading.Event()
-
-
-def settings_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
-    """``PSConfig`` fields from the environment (``environ``, the process environment by
-    default): the secret (``FLEETX_PS_SECRET`` or ``FLEETX_PS_SECRET_FILE``, only named here;
-    checked when a connection is made), the frame limit (``FLEETX_PS_MAX_FRAME_MB``), the
-    transport (``FLEETX_PS_TRANSPORT``) and the same-machine sockets
-    (``FLEETX_PS_LOCAL_SOCKETS``).
-
-    Raises:
-        fleetx.env.EnvError: ``FLEETX_PS_MAX_FRAME_MB`` is not a number,
-            ``FLEETX_PS_TRANSPORT`` is not one of :data:`fleetx.ps.api.TRANSPORTS`, or
-            ``FLEETX_PS_LOCAL_SOCKETS`` is neither 0 nor 1.
-    """
-    transport = env.get("FLEETX_PS_TRANSPORT", "tcp", environ)
-    if transport not in TRANSPORTS:
-        raise env.EnvError(f"environment variable FLEETX_PS_TRANSPORT={transport!r}: expected "
-                           f"one of {', '.join(TRANSPORTS)}")
-    local = env.get("FLEETX_PS_LOCAL_SOCKETS", "1", environ)
-    if local not in ("0", "1"):
-        raise env.EnvError(f"environment variable FLEETX_PS_LOCAL_SOCKETS={local!r}: expected "
-                           "1 (same-machine peers connect through a Unix-domain socket) or 0 "
-                           "(TCP only)")
-    return {"secret": env.get("FLEETX_PS_SECRET", None, environ),
-            "secret_file": env.get("FLEETX_PS_SECRET_FILE", None, environ),
-            "max_frame_bytes": int(env.get_float("FLEETX_PS_MAX_FRAME_MB", 1024.0, environ)
-                                   * (1 << 20)),
-            "transport": transport, "local_sockets": local == "1"}
 
 
 def resolve_secret(config: PSConfig) -> Optional[bytes]:

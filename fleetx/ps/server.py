@@ -51,8 +51,8 @@ from typing import Any, Optional
 
 from fleetx.checkpoint import CheckpointError
 from fleetx.ps import kernels, readonly, requests
-from fleetx.ps.api import (PSConfigError, Kind, PSMode, PeerLostError, ProtocolError, PSConfig,
-                           PSError, Tables, endpoint_of)
+from fleetx.ps.api import (PSConfigError, Kind, Message, PSMode, PeerLostError, ProtocolError,
+                           PSConfig, PSError, Tables, endpoint_of)
 from fleetx.ps.checkpoint import confine
 from fleetx.ps.requests import Push
 from fleetx.ps.roster import Roster
@@ -63,7 +63,7 @@ from fleetx.ps.snapshots import Snapshots
 from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor, RateLimitedLog
 from fleetx.ps.handshake import require_secret
 from fleetx.ps.links import LinkSet
-from fleetx.ps.transport import Link, Message
+from fleetx.ps.transport import Link
 
 __all__ = ["PSServer", "run_server"]
 

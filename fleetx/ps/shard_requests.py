@@ -11,10 +11,10 @@ from typing import Callable
 
 from fleetx.checkpoint import SaveWriter
 from fleetx.ps import requests
-from fleetx.ps.api import Kind, PSConfig
+from fleetx.ps.api import Kind, Message, PSConfig
 from fleetx.ps.checkpoint import confine
 from fleetx.ps.shard import Shard
-from fleetx.ps.transport import Link, Message
+from fleetx.ps.transport import Link
 
 __all__ = ["ShardRequests"]
 

@@ -22,35 +22,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Mapping, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
-from fleetx import env
 from fleetx.checkpoint import Checkpoint, SaveWriter
 from fleetx.checkpoint.manifest import has_checkpoint
 from fleetx.ps.api import PSConfig
 from fleetx.ps.checkpoint import load_server_folder, save_server, server_folder
 
-__all__ = ["Snapshots", "Restored", "failover_from_env"]
+__all__ = ["Snapshots", "Restored"]
 
 log = logging.getLogger("fleetx.ps")
-
-
-def failover_from_env(environ: Optional[Mapping[str, str]] = None) -> dict:
-    """``PSConfig`` failover fields from the environment fleetrun writes with
-    ``--max_restarts``: ``FLEETX_PS_CHECKPOINT_DIR`` (unset: no failover),
-    ``FLEETX_PS_CHECKPOINT_INTERVAL`` (seconds), ``FLEETX_PS_JOB_ID`` and
-    ``TORCHELASTIC_RESTART_COUNT``.
-
-    Raises:
-        fleetx.env.EnvError: a number is malformed.
-    """
-    folder = env.get("FLEETX_PS_CHECKPOINT_DIR", None, environ)
-    if not folder:
-        return {}
-    return {"snapshot_dir": folder,
-            "snapshot_interval": env.get_float("FLEETX_PS_CHECKPOINT_INTERVAL", 30.0, environ),
-            "snapshot_job": env.get("FLEETX_PS_JOB_ID", "", environ),
-            "restart_count": env.get_int("TORCHELASTIC_RESTART_COUNT", 0, environ)}
 
 
 class Restored(NamedTuple):

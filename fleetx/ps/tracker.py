@@ -15,9 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from fleetx.ps.api import PSConfigError, PeerLostError, PSTimeoutError, RemoteError
+from fleetx.ps.api import Message, PSConfigError, PeerLostError, PSTimeoutError, RemoteError
 from fleetx.ps.latency import BUCKETS, SUB_BITS, Latencies
-from fleetx.ps.transport import Message
 
 __all__ = ["Handle", "Tracker", "remote_error"]
 

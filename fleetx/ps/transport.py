@@ -2,10 +2,10 @@
 
 A :class:`Link` is one authenticated TCP connection to a peer (the handshake is
 :mod:`fleetx.ps.handshake`; servers accept through :mod:`fleetx.ps.acceptor`). Sending writes a
-frame (``api.HEADER``, descriptors, JSON meta, raw buffers) from the arrays' own memory with
-one ``sendmsg`` / ``writev``. A receive thread reads frames with ``recv_into`` straight into
-their final arrays (the owner may supply preallocated targets through ``allocator``) and hands
-each message to ``on_message``.
+frame (:mod:`fleetx.ps.wire` encodes it: header, descriptors, JSON meta, raw buffers) from the
+arrays' own memory with one ``sendmsg`` / ``writev``. A receive thread reads frames with
+``recv_into`` straight into their final arrays (the owner may supply preallocated targets
+through ``allocator``) and hands each message to ``on_message``.
 
 Limits that keep one peer from hurting the others:
 
@@ -30,23 +30,21 @@ import collections
 import itertools
 import json
 import logging
-import os
 import select
 import socket
 import struct
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 
 from fleetx.ps.buffers import BufferPool
-from fleetx.ps.api import (DEFAULT_MAX_FRAME_BYTES, DESCRIPTOR, DTYPE_CODES, DTYPES, FLAG_ERROR,
-                           FLAG_REPLY, HEADER, MAX_BUFFERS, MAX_META_BYTES, WIRE_MAGIC,
-                           WIRE_VERSION, Kind, PeerLostError, ProtocolError)
+from fleetx.ps.api import (DEFAULT_MAX_FRAME_BYTES, DESCRIPTOR, HEADER, Kind, Message,
+                           PeerLostError, ProtocolError, encode_frame, parse_header,
+                           read_descriptors)
 
-__all__ = ["Message", "Link", "Heartbeats", "MAX_QUEUED_BYTES", "encode_frame", "parse_header",
-           "read_descriptors"]
+__all__ = ["Link", "Heartbeats", "MAX_QUEUED_BYTES"]
 
 log = logging.getLogger("fleetx.ps")
 
@@ -57,65 +55,7 @@ _MIN_RATE = 1 << 20  # bytes/s a frame must average after its first dead_after s
 #: unread replies a queued link holds beyond the frame being written before it drops the peer
 MAX_QUEUED_BYTES = 64 << 20
 
-
-class Message:
-    """One frame: a kind, a request id, flags, a small JSON-able ``meta`` dict and raw arrays."""
-
-    __slots__ = ("kind", "req_id", "flags", "meta", "bufs")
-
-    def __init__(self, kind: int, req_id: int = 0, meta: Optional[dict] = None,
-                 bufs: Sequence[np.ndarray] = (), flags: int = 0) -> None:
-        self.kind, self.req_id, self.flags = Kind(kind), req_id, flags
-        self.meta = meta if meta is not None else {}
-        self.bufs = list(bufs)
-
-    @property
-    def is_reply(self) -> bool:
-        return bool(self.flags & FLAG_REPLY)
-
-    @property
-    def is_error(self) -> bool:
-        return bool(self.flags & FLAG_ERROR)
-
-    def reply(self, meta: Optional[dict] = None, bufs: Sequence[np.ndarray] = ()) -> "Message":
-        return Message(self.kind, self.req_id, meta, bufs, FLAG_REPLY)
-
-    def error_reply(self, exc: BaseException) -> "Message":
-        meta = {"error": type(exc).__name__, "message": str(exc)}
-        if isinstance(exc, PeerLostError):
-            meta.update(peer=exc.peer, reason=exc.reason)
-        return Message(self.kind, self.req_id, meta, (), FLAG_REPLY | FLAG_ERROR)
-
-    def __repr__(self) -> str:
-        return (f"Message({self.kind.name}, req={self.req_id}, flags={self.flags}, "
-                f"meta={self.meta}, bufs={[b.shape for b in self.bufs]})")
-
-
-def encode_frame(msg: Message, max_frame_bytes: int) -> list:
-    """The frame as a list of byte views: header+descriptors+meta, then every buffer.
-
-    Raises:
-        ProtocolError: a dtype that cannot travel, or a frame larger than the peer accepts.
-    """
-    meta = json.dumps(msg.meta, separators=(",", ":")).encode()
-    arrays = [np.ascontiguousarray(b) for b in msg.bufs]
-    total = sum(a.nbytes for a in arrays)
-    if total > max_frame_bytes:
-        raise ProtocolError(f"a {msg.kind.name} frame of {total} bytes exceeds the limit of "
-                            f"{max_frame_bytes} bytes (FLEETX_PS_MAX_FRAME_MB); send less at "
-                            "once or raise the limit on every process")
-    head = [HEADER.pack(WIRE_MAGIC, WIRE_VERSION, msg.kind, msg.flags, msg.req_id, len(arrays),
-                        len(meta), total)]
-    for a in arrays:
-        code = DTYPE_CODES.get(a.dtype.str)
-        if code is None:
-            raise ProtocolError(f"dtype {a.dtype} cannot travel; "
-                                f"use one of {list(DTYPES.values())}")
-        head.append(DESCRIPTOR.pack(code, a.nbytes))
-    head.append(meta)
-    return [b"".join(head)] + [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes]
-
-
+#: supplies the arrays a frame's buffers are received into (None: the pool's)
 Allocator = Callable[[Message, list], Optional[list]]
 
 
@@ -127,6 +67,7 @@ class _Late(Exception):
 #: not one per link: a server with a thousand workers would otherwise keep a block per size
 #: class per connection (gigabytes) though its one handler thread holds few at a time.
 _RECEIVE_POOL = BufferPool(keep=8)
+
 
 class Link:
     """A framed, heartbeat-watched connection to one peer.
@@ -435,45 +376,6 @@ class Link:
                 self._fill(memoryview(arr.reshape(-1).view(np.uint8)), deadline)
             msg.bufs.append(arr)
         return msg
-
-
-def parse_header(head, max_frame_bytes: int) -> tuple:
-    """``(kind, flags, req_id, nbufs, meta_len, total)`` of a frame's 32-byte header.
-
-    Raises:
-        ProtocolError: another magic or wire version, too many buffers or meta bytes, or a
-            payload above ``max_frame_bytes`` (checked before anything is allocated).
-    """
-    magic, version, kind, flags, req_id, nbufs, meta_len, total = HEADER.unpack(head)
-    if magic != WIRE_MAGIC:
-        raise ProtocolError(f"bad magic {bytes(magic)!r} (not a fleetx.ps peer?)")
-    if version != WIRE_VERSION:
-        raise ProtocolError(f"wire version {version}, expected {WIRE_VERSION}")
-    if nbufs > MAX_BUFFERS or meta_len > MAX_META_BYTES:
-        raise ProtocolError(f"frame too large: {nbufs} buffers, {meta_len} meta bytes")
-    if total > max_frame_bytes:
-        raise ProtocolError(f"a frame announces {total} bytes, more than the limit of "
-                            f"{max_frame_bytes} (FLEETX_PS_MAX_FRAME_MB)")
-    return kind, flags, req_id, nbufs, meta_len, total
-
-
-def read_descriptors(rest, nbufs: int, total: int) -> list:
-    """``[(dtype, nbytes)]`` of the ``nbufs`` descriptors at the start of ``rest``.
-
-    Raises:
-        ProtocolError: an unknown dtype code, a size that is not a whole number of items, or
-            sizes that do not add up to the header's ``total``.
-    """
-    descs = []
-    for i in range(nbufs):
-        code, nbytes = DESCRIPTOR.unpack_from(rest, i * DESCRIPTOR.size)
-        dtype = DTYPES.get(code)
-        if dtype is None or nbytes % np.dtype(dtype).itemsize:
-            raise ProtocolError(f"buffer {i}: bad dtype code {code} or size {nbytes}")
-        descs.append((np.dtype(dtype), nbytes))
-    if sum(n for _, n in descs) != total:
-        raise ProtocolError("buffer sizes do not add up to the header's payload size")
-    return descs
 
 
 def _tune(sock: socket.socket, tick: float) -> None:

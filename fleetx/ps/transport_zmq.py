@@ -16,7 +16,7 @@ Shape (ps-lite's ``Van`` is ZeroMQ too):
 * a worker connects one DEALER socket per server (:func:`connect_link`), each a
   :class:`ZmqLink` with its own receive thread, as a TCP ``Link`` has.
 
-A frame is the wire format of :mod:`fleetx.ps.api` as one multipart message: part 0 holds the
+A frame is the wire format of :mod:`fleetx.ps.wire` as one multipart message: part 0 holds the
 header, descriptors and JSON meta, then one part per non-empty buffer. ZeroMQ sends after
 ``send`` returns, so an array that owns its memory goes zero-copy (``copy=False``), while a view
 into memory its owner may change later (a live dense table, a caller's gradient) is copied
@@ -50,10 +50,10 @@ import numpy as np
 
 from fleetx.ps.acceptor import RateLimitedLog
 from fleetx.ps.api import (DEFAULT_MAX_FRAME_BYTES, DESCRIPTOR, HEADER, MAX_BUFFERS,
-                           MAX_META_BYTES, PSConfigError, Kind, PeerLostError, ProtocolError,
-                           PSTimeoutError)
+                           MAX_META_BYTES, PSConfigError, Kind, Message, PeerLostError,
+                           ProtocolError, PSTimeoutError, encode_frame, parse_header,
+                           read_descriptors)
 from fleetx.ps.handshake import is_loopback
-from fleetx.ps.transport import Message, encode_frame, parse_header, read_descriptors
 
 try:
     import zmq

@@ -35,11 +35,11 @@ import torch
 
 from fleetx.nn.deferred import materialize
 from fleetx.nn.heter import HeterSection
-from fleetx.ps.api import (Kind, PeerLostError, ProtocolError, PSConfig, PSConfigError,
+from fleetx.ps.api import (Kind, Message, PeerLostError, ProtocolError, PSConfig, PSConfigError,
                            PSTimeoutError, Tables)
 from fleetx.ps.handshake import connect, resolve_secret
 from fleetx.ps.tracker import Handle, Tracker
-from fleetx.ps.transport import Heartbeats, Link, Message
+from fleetx.ps.transport import Heartbeats, Link
 
 __all__ = ["HeterClient", "attach", "detach", "heter_endpoint", "pack", "unpack", "WIRE_DTYPES",
            "MAX_DIMS"]

@@ -43,11 +43,11 @@ import numpy as np
 import torch
 
 from fleetx.ps.acceptor import HANDSHAKE_TIMEOUT, Acceptor
-from fleetx.ps.api import (CommunicatorConfig, Kind, PeerLostError, ProtocolError, PSConfig,
-                           PSConfigError, PSError, PSMode, RequestError, endpoint_of)
+from fleetx.ps.api import (CommunicatorConfig, Kind, Message, PeerLostError, ProtocolError,
+                           PSConfig, PSConfigError, PSError, PSMode, RequestError, endpoint_of)
 from fleetx.ps.handshake import require_secret
 from fleetx.ps.links import LinkSet
-from fleetx.ps.transport import Link, Message
+from fleetx.ps.transport import Link
 from fleetx.ps_torch.heter import check_sections, pack, unpack
 from fleetx.ps_torch.heter_sections import Section
 from fleetx.ps_torch.layout import ModelLayout

@@ -67,7 +67,7 @@ class WorldInfo:
 
 def _contract_environ() -> dict[str, str]:
     """The declared variables that are set, secrets included (held, never printed)."""
-    return {name: env.get(name) for name in env.VARIABLES if env.get(name) is not None}
+    return {name: env.get(name) for name in env.VARIABLES if env.is_set(name)}
 
 
 @dataclass(frozen=True)

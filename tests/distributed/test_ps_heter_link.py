@@ -21,9 +21,9 @@ from helpers import free_ports  # noqa: E402
 from ps_attack import SECRET, frame, read_until_closed  # noqa: E402
 
 from fleetx.ps import AuthError, PSConfig  # noqa: E402
-from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, Kind, StateError  # noqa: E402
+from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, Kind, Message, StateError  # noqa: E402
 from fleetx.ps.handshake import connect  # noqa: E402
-from fleetx.ps.transport import Link, Message  # noqa: E402
+from fleetx.ps.transport import Link  # noqa: E402
 from fleetx.ps_torch.heter_sections import heter_device  # noqa: E402
 from fleetx.ps_torch.layout import ModelLayout  # noqa: E402
 

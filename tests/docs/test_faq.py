@@ -7,7 +7,7 @@ FAQ = (ROOT / "docs" / "faq.md").read_text()
 
 
 def test_quoted_messages_come_from_the_code():
-    assert 'f"{peer} lost: {reason}"' in (ROOT / "fleetx/ps/api.py").read_text()
+    assert 'f"{peer} lost: {reason}"' in (ROOT / "fleetx/ps/errors.py").read_text()
     assert "is not reachable at {host}:{port} after {timeout:.0f} s" in \
         (ROOT / "fleetx/ps/handshake.py").read_text()
     assert "terminate called without an active exception" in \

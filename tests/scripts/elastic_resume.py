@@ -32,7 +32,7 @@ parser.add_argument("--kill-rank", type=int, default=1)
 parser.add_argument("--sleep", type=float, default=0.0, help="seconds per step")
 args = parser.parse_args()
 
-restart = env.get_int("TORCHELASTIC_RESTART_COUNT", 0)
+restart = env.get_int("TORCHELASTIC_RESTART_COUNT")
 fleet.init(is_collective=True)
 rank = fleet.worker_index()
 torch.manual_seed(0)

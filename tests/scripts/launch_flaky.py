@@ -4,7 +4,7 @@ import sys
 
 from fleetx import env
 
-rank, restart = env.get_int("RANK"), env.get_int("TORCHELASTIC_RESTART_COUNT", 0)
+rank, restart = env.get_int("RANK"), env.get_int("TORCHELASTIC_RESTART_COUNT")
 print(f"attempt {restart} of rank {rank}", flush=True)
 if rank == 1 and restart == 0:
     sys.exit(7)

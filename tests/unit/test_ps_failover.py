@@ -16,9 +16,9 @@ from fleetx.launch.config import LaunchConfig
 from fleetx.launch.ps import plan
 from fleetx.ps import (DenseTableSpec, InitConfig, KVClient, PSConfig, PSConfigError, PSServer,
                        RuleConfig, SparseTableSpec, Tables)
-from fleetx.ps.api import PeerLostError
+from fleetx.ps.api import PeerLostError, settings_from_env
 from fleetx.ps.partition import server_of
-from fleetx.ps.snapshots import Snapshots, failover_from_env
+from fleetx.ps.snapshots import Snapshots
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import free_ports  # noqa: E402  (tests/helpers.py)
@@ -320,12 +320,17 @@ def test_a_geo_server_restarts_and_every_worker_gets_back_all_its_rows(tmp_path)
         stop_all(servers, clients)
 
 
+FAILOVER = ("snapshot_dir", "snapshot_interval", "snapshot_job", "restart_count")
+
+
 def test_the_variables_fleetrun_writes_turn_failover_on():
-    assert failover_from_env({}) == {}
-    got = failover_from_env({"FLEETX_PS_CHECKPOINT_DIR": "/s", "FLEETX_PS_CHECKPOINT_INTERVAL":
+    off = settings_from_env({"TORCHELASTIC_RESTART_COUNT": "3", "FLEETX_PS_JOB_ID": "j"})
+    assert off.snapshot_dir is None and not off.config(("127.0.0.1:1",), 1).failover
+    assert (off.restart_count, off.snapshot_job) == (0, "")  # read only with failover on
+    got = settings_from_env({"FLEETX_PS_CHECKPOINT_DIR": "/s", "FLEETX_PS_CHECKPOINT_INTERVAL":
                              "2.5", "FLEETX_PS_JOB_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1"})
-    assert got == {"snapshot_dir": "/s", "snapshot_interval": 2.5, "snapshot_job": "j",
-                   "restart_count": 1}
+    assert {k: getattr(got, k) for k in FAILOVER} == {
+        "snapshot_dir": "/s", "snapshot_interval": 2.5, "snapshot_job": "j", "restart_count": 1}
 
 
 def _plan(tmp_path, **kw):

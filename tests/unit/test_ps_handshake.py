@@ -1,5 +1,6 @@
 """The shared-secret handshake's pure parts: proofs, where the secret comes from, what counts as
 loopback, rate-limited warnings, and secrets kept out of environment snapshots."""
+import dataclasses
 import logging
 
 import pytest
@@ -8,6 +9,7 @@ from fleetx import env
 from fleetx.ps import PSConfigError, PSConfig
 from fleetx.ps import handshake as hs
 from fleetx.ps.acceptor import RateLimitedLog
+from fleetx.ps.api import settings_from_env
 
 KEY = b"k3y"
 
@@ -46,25 +48,35 @@ def test_the_secret_comes_from_the_value_or_the_file(tmp_path):
 
 def test_settings_from_the_environment(monkeypatch):
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_SECRET": "s", "FLEETX_PS_MAX_FRAME_MB": "8"})
-    assert hs.settings_from_env() == {"secret": "s", "secret_file": None,
-                                      "max_frame_bytes": 8 << 20, "transport": "tcp",
-                                      "local_sockets": True}
+    links = settings_from_env()
+    assert {k: getattr(links, k) for k in ("secret", "secret_file", "max_frame_bytes",
+                                           "transport", "local_sockets")} == \
+        {"secret": "s", "secret_file": None, "max_frame_bytes": 8 << 20, "transport": "tcp",
+         "local_sockets": True}
+
+
+def test_unset_variables_give_the_configs_own_defaults():
+    # the frame limit and the local sockets are declared twice (MiB and "1" in fleetx/env.py,
+    # bytes and True in PSConfig): the two must agree
+    base = PSConfig(servers=("127.0.0.1:1",), num_workers=1)
+    assert settings_from_env({}).config(base.servers, 1) == dataclasses.replace(
+        base, log_interval=env.default("FLEETX_LOG_INTERVAL"))  # a server's own default: 60 s
 
 
 def test_the_local_sockets_variable_takes_0_or_1(monkeypatch):
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_LOCAL_SOCKETS": "0"})
-    assert hs.settings_from_env()["local_sockets"] is False
+    assert settings_from_env().local_sockets is False
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_LOCAL_SOCKETS": "yes"})
     with pytest.raises(env.EnvError, match="FLEETX_PS_LOCAL_SOCKETS='yes': expected 1 .* or 0"):
-        hs.settings_from_env()
+        settings_from_env()
 
 
 def test_the_transport_variable_takes_only_known_transports(monkeypatch):
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_TRANSPORT": "zmq"})
-    assert hs.settings_from_env()["transport"] == "zmq"
+    assert settings_from_env().transport == "zmq"
     monkeypatch.setattr(env, "environ", {"FLEETX_PS_TRANSPORT": "udp"})
     with pytest.raises(env.EnvError, match="FLEETX_PS_TRANSPORT='udp': expected one of tcp, zmq"):
-        hs.settings_from_env()
+        settings_from_env()
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.9.9.9", True),

@@ -16,8 +16,7 @@ from fleetx.ps import (DenseTableSpec, InitConfig, KVClient, PSConfig, PSServer,
                        SparseTableSpec, Tables)
 from fleetx.ps.latency import BUCKETS, QUANTILES, Histogram, Latencies, bounds, bucket
 from fleetx.ps.tracker import Handle, Tracker
-from fleetx.ps.transport import Message
-from fleetx.ps.api import Kind
+from fleetx.ps.api import Kind, Message
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import free_ports  # noqa: E402  (tests/helpers.py)

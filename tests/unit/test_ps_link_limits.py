@@ -8,8 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, Kind, PeerLostError, ProtocolError
-from fleetx.ps.transport import Link, Message
+from fleetx.ps.api import (HEADER, WIRE_MAGIC, WIRE_VERSION, Kind, Message, PeerLostError,
+                           ProtocolError)
+from fleetx.ps.transport import Link
 
 
 class Owner:

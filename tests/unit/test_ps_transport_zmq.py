@@ -9,8 +9,8 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from fleetx.ps.api import HEADER, WIRE_MAGIC, WIRE_VERSION, PSConfigError, Kind  # noqa: E402
-from fleetx.ps.transport import Message, encode_frame  # noqa: E402
+from fleetx.ps.api import (HEADER, WIRE_MAGIC, WIRE_VERSION, PSConfigError, Kind,  # noqa: E402
+                           Message, encode_frame)
 from fleetx.ps.transport_zmq import Listener, connect_link  # noqa: E402
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import fleetx.ps
-from fleetx.ps.api import DESCRIPTOR, HEADER, WIRE_MAGIC, Kind, ProtocolError
+from fleetx.ps.api import DESCRIPTOR, HEADER, WIRE_MAGIC, Kind, Message, ProtocolError
 from fleetx.ps.tracker import Handle, Tracker
-from fleetx.ps.transport import Heartbeats, Link, Message
+from fleetx.ps.transport import Heartbeats, Link
 
 PS_DIR = Path(fleetx.ps.__file__).parent
 

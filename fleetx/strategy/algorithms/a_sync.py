@@ -30,11 +30,8 @@ from functools import partial
 from dataclasses import dataclass
 from typing import Optional
 
-from fleetx import env
-from fleetx.comm.groups import default_timeout
-from fleetx.ps.api import CommunicatorConfig, PSConfig, RuleConfig
-from fleetx.ps.handshake import settings_from_env
-from fleetx.ps.snapshots import failover_from_env
+from fleetx.ps.api import (CommunicatorConfig, PSConfig, PSSettings, RuleConfig,
+                           settings_from_env)
 from fleetx.ps_torch.runtime import PSRuntime
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
 from fleetx.strategy.config import Config, option
@@ -88,12 +85,13 @@ class AsyncConfig(Config):
     use_ps_gpu: int = option(0, "Paddle: keep the sparse tables on GPU workers.", choices=(0, 1),
                              no_effect="GPU parameter servers are not offered")
 
-def ps_config(strategy, world) -> Optional[PSConfig]:
+def ps_config(strategy, world, settings: Optional[PSSettings] = None) -> Optional[PSConfig]:
     """The cluster of a parameter-server world, or None when it has no servers.
 
     Liveness and logging come from the launcher contract's variables, as ``world.environ``
-    captured them when the world was made: ``FLEETX_TIMEOUT`` (servers coming up, workers
-    registering, the longest wait for a silent peer in a sync round or barrier),
+    captured them when the world was made (``settings``: as :func:`settings_from_env` read
+    them from there; given, they are not read again): ``FLEETX_TIMEOUT`` (servers coming up,
+    workers registering, the longest wait for a silent peer in a sync round or barrier),
     ``FLEETX_PS_HEARTBEAT_INTERVAL``, ``FLEETX_PS_DEAD_AFTER`` and ``FLEETX_LOG_INTERVAL``;
     request limits and the save root from ``FLEETX_PS_MAX_LR``, ``FLEETX_PS_MAX_ROWS``,
     ``FLEETX_PS_NONFINITE`` and ``FLEETX_PS_SAVE_ROOT``; the shared secret and the frame limit
@@ -106,28 +104,10 @@ def ps_config(strategy, world) -> Optional[PSConfig]:
     """
     if not world.server_num:
         return None
-    e = world.environ
-    interval = _log_interval(world)
-    return PSConfig(world.server_endpoints, world.world_size, mode=strategy.ps_mode(),
-                    heartbeat_interval=env.get_float("FLEETX_PS_HEARTBEAT_INTERVAL", 3.0, e),
-                    dead_after=env.get_float("FLEETX_PS_DEAD_AFTER", 15.0, e),
-                    timeout=default_timeout(e),
-                    log_interval=interval if interval > 0 else float("inf"),
-                    heter_workers=world.heter_endpoints, **_ps_limits(e), **settings_from_env(e),
-                    **failover_from_env(e))
-
-
-def _log_interval(world) -> float:
-    return env.get_float("FLEETX_LOG_INTERVAL", 10.0, world.environ)
-
-
-def _ps_limits(e) -> dict:
-    """What servers accept (``FLEETX_PS_MAX_LR``, ``FLEETX_PS_MAX_ROWS``,
-    ``FLEETX_PS_NONFINITE``) and where they save (``FLEETX_PS_SAVE_ROOT``), from ``e``."""
-    return {"max_lr": env.get_float("FLEETX_PS_MAX_LR", 10.0, e),
-            "max_rows": env.get_int("FLEETX_PS_MAX_ROWS", 0, e),
-            "nonfinite": env.get("FLEETX_PS_NONFINITE", "refuse", e),
-            "save_root": env.get("FLEETX_PS_SAVE_ROOT", None, e)}
+    settings = settings_from_env(world.environ) if settings is None else settings
+    return settings.config(
+        world.server_endpoints, world.world_size, mode=strategy.ps_mode(),
+        heter_workers=world.heter_endpoints)
 
 
 def _heter_part(mode: str, world, configs) -> tuple[str, str]:
@@ -191,10 +171,11 @@ class ParameterServerStrategy(Strategy):
         world = ctx.world  # its environ holds the launcher's settings: nothing is read here
         cfg = self.strategy.typed_config("a_sync")
         heter, guard = world.is_heter_worker, cfg.heter_worker_device_guard
+        settings = settings_from_env(world.environ, servers=bool(world.server_num))
         runtime = PSRuntime(
-            ctx.model, ctx.optimizer, ps_config(self.strategy, world),
+            ctx.model, ctx.optimizer, ps_config(self.strategy, world, settings),
             is_server=world.is_server, index=world.rank - world.world_size if heter else world.rank,
-            comm=_communicator(cfg), log_interval=_log_interval(world),
+            comm=_communicator(cfg), log_interval=settings.log_interval,
             heter_device=guard if heter else None)
         ctx.runtime = runtime
         for kind in ("pull", "push"):

@@ -255,7 +255,7 @@ def memory_budget(world: Any, held: int) -> tuple[int, str]:
         fleetx.env.EnvError: the variable is not a positive number.
     """
     from fleetx import env
-    mib = env.get_float(BUDGET_VARIABLE, None, world.environ)
+    mib = env.get_float(BUDGET_VARIABLE, env=world.environ)
     if mib is not None:
         if not mib > 0:
             raise env.EnvError(f"{BUDGET_VARIABLE}={mib:g} must be a positive number of MiB")

@@ -169,7 +169,7 @@ def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], Con
 
     Example::
 
-        ctx.forward_contexts.append(eval_guard(model, 3, timeout=300.0))
+        ctx.forward_contexts.append(eval_guard(model, 3, timeout=default_timeout()))
 
     Raises:
         CommError: (when the context is entered) a rank did not run an eval forward in time.
