@@ -7,6 +7,11 @@ mini-batch: 1F1B has a stage send an activation forward while its successor send
 back, and two blocking sends facing each other would deadlock whether or not the transport
 buffers them. Every wait has a timeout, and a peer that dies or stays silent is an error naming
 its stage and rank.
+
+The headers live on the pipe group's device (``PipeGroup.device``): NCCL moves CUDA tensors
+only. NCCL also ignores tags; the order still holds there, because each direction carries its
+messages in the order the receiver asks for them (headers and activations forward, gradients
+back).
 """
 from __future__ import annotations
 
@@ -81,7 +86,7 @@ class P2P:
         """Send this stage's output to the next stage (the header too unless cached)."""
         nxt = self.pipe.stage + 1
         if first or not self.cache_shape:
-            self._send(_encode(tensors), nxt, _HEAD, "the activation header")
+            self._send(_encode(tensors, self.pipe.device), nxt, _HEAD, "the activation header")
         for t in tensors:
             self._send(t, nxt, _ACT, "an activation")
 
@@ -90,7 +95,7 @@ class P2P:
         come back requiring grad, so this stage's backward yields their gradients."""
         prev = self.pipe.stage - 1
         if first or not self.cache_shape or self._header is None:
-            head = torch.empty(_HEADER, dtype=torch.int64)
+            head = torch.empty(_HEADER, dtype=torch.int64, device=self.pipe.device)
             self._header = _decode(self._recv(head, prev, _HEAD, "the activation header"))
         out = []
         for dtype, needs_grad, shape in self._header:
@@ -118,7 +123,7 @@ class P2P:
             self._wait(work, what)
 
 
-def _encode(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def _encode(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     words = [len(tensors)]
     for t in tensors:
         if t.dtype not in _DTYPES:
@@ -129,7 +134,7 @@ def _encode(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         raise PipelineError(f"a stage output of {len(tensors)} tensors with "
                             f"{sum(t.dim() for t in tensors)} dimensions in all does not fit the "
                             f"{_HEADER}-word transfer header")
-    return torch.tensor(words + [0] * (_HEADER - len(words)), dtype=torch.int64)
+    return torch.tensor(words + [0] * (_HEADER - len(words)), dtype=torch.int64, device=device)
 
 
 def _decode(head: torch.Tensor) -> list[tuple[torch.dtype, bool, tuple]]:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fleetx.parallel.stage import PipeGroup, resolve_pipe_group
+from fleetx.parallel.stage import PipeGroup, resolve_pipe_group, transfer_device
 
 __all__ = ["LayerDesc", "SharedLayerDesc", "PipelineLayer", "segment"]
 
@@ -261,7 +261,13 @@ class PipelineLayer(nn.Module):
         for group, src, layer, names in tied.values():
             with torch.no_grad():
                 for name in names:
-                    dist.broadcast(getattr(layer, name), src=src, group=group)
+                    weight = getattr(layer, name)
+                    # a stage is usually built on the CPU and moved to its GPU afterwards, but
+                    # NCCL moves CUDA tensors only: the weights travel on the group's device
+                    carrier = weight.to(transfer_device(group))
+                    dist.broadcast(carrier, src=src, group=group)
+                    if carrier is not weight:
+                        weight.copy_(carrier)
         return tied
 
     def allreduce_shared_weight_gradients(self) -> None:

@@ -256,9 +256,9 @@ class PipelineParallel(nn.Module):
         layers = self._layers
         if not compute_loss:
             return torch.cat(results) if layers.is_last_stage() else None
-        loss = (torch.stack(results).float().mean() if layers.is_last_stage()
-                else torch.zeros((), dtype=torch.float32))
         pipe = layers.pipe
+        loss = (torch.stack(results).float().mean() if layers.is_last_stage()
+                else torch.zeros((), dtype=torch.float32, device=pipe.device))
         if pipe.group is not None and pipe.num_stages > 1:
             dist.broadcast(loss, src=pipe.ranks[-1], group=pipe.group)
         return loss

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from fleetx.parallel.api import NoHybridGroupError
 from fleetx.parallel.hcg import get_hcg
 
-__all__ = ["PipeGroup", "resolve_pipe_group"]
+__all__ = ["PipeGroup", "resolve_pipe_group", "transfer_device"]
 
 
 @dataclass
@@ -31,6 +32,12 @@ class PipeGroup:
     stage: int
     ranks: list[int]
     _all: Optional[list[list[int]]] = field(default=None, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the transfers' own tensors (headers, a stage's zero loss) live: see
+        :func:`transfer_device`."""
+        return transfer_device(self.group)
 
     @property
     def num_stages(self) -> int:
@@ -57,6 +64,20 @@ class PipeGroup:
                 self._all = sorted({tuple(r) for r in gathered})  # type: ignore[arg-type]
                 self._all = [list(r) for r in self._all]
         return self._all
+
+
+def transfer_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """The device a tensor must be on to travel over ``group``: the current GPU for an NCCL
+    group (NCCL moves CUDA tensors only and refuses a CPU one), else the CPU (gloo, or no
+    group at all).
+
+    Example:
+        >>> transfer_device(None)
+        device(type='cpu')
+    """
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _hybrid_pipe() -> PipeGroup:

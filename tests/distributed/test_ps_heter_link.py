@@ -174,6 +174,7 @@ def test_the_device_guard_picks_the_device_and_says_why():
         heter_device("tpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_heter_worker_runs_the_section_there_and_trains_alike():
     results = run_job(cluster(workers=2), steps=4, guard="gpu")

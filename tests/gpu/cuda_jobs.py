@@ -1,13 +1,14 @@
 """What the GPU tests share (no tests here): the marks, a small CUDA model, and the two-rank
-NCCL job that one GPU cannot always host.
+NCCL job.
 
-NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected"), so the
-multi-rank cases run for real only where at least two GPUs are visible, or where NCCL accepts
-the pair; on a one-GPU machine whose NCCL refuses they skip, quoting NCCL's reason.
+NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected"), so a
+test of two ranks over NCCL runs only where at least two GPUs are visible, one per rank
+(``fleet.init`` gives rank r GPU ``LOCAL_RANK % device_count``); elsewhere it skips, naming how
+many GPUs it found. On one GPU the same code paths run in one process (NCCL picked, the model
+and every tensor on ``cuda:0``), without a collective to run.
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -23,8 +24,13 @@ from spawn import run  # noqa: E402  (tests/distributed/spawn.py)
 needs_cuda = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-# What NCCL (through torch) says when two ranks of one communicator share a GPU.
-_REFUSAL = re.compile(r"duplicate gpu|ncclInvalidUsage|invalid usage", re.IGNORECASE)
+
+def needs_gpus(n: int) -> pytest.MarkDecorator:
+    """The skip of a test of ``n`` ranks over NCCL, one GPU each, where fewer are visible (the
+    module's ``needs_cuda`` marks it ``gpu``)."""
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(found < n, reason=f"needs {n} CUDA GPUs (one per NCCL rank), "
+                                                f"found {found}")
 
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -49,13 +55,6 @@ def state_diff(a: dict, b: dict) -> float:
 
 
 def run_two_ranks(fn: Callable, out: str, deadline: float = 120.0) -> None:
-    """``fn(rank, 2, out)`` on two spawned processes (NCCL: each one picks GPU
-    ``LOCAL_RANK % device_count``). With one GPU, a refusal by NCCL skips the test."""
-    try:
-        run(fn, 2, out, deadline=deadline)
-    except Exception as err:  # noqa: BLE001  (mp's ProcessRaisedException carries the text)
-        text = str(err)
-        if torch.cuda.device_count() < 2 and _REFUSAL.search(text):
-            line = next((ln.strip() for ln in text.splitlines() if _REFUSAL.search(ln)), "")
-            pytest.skip(f"needs 2 GPUs: NCCL refused two ranks on one GPU ({line[:200]})")
-        raise
+    """``fn(rank, 2, out)`` on two spawned processes over NCCL (mark the test
+    ``needs_gpus(2)``); a rank still running after ``deadline`` seconds fails the test."""
+    run(fn, 2, out, deadline=deadline)

@@ -5,8 +5,8 @@
   small MLP through ``distributed_model`` / ``distributed_optimizer`` equals plain CUDA training
   (1e-5);
 * two ranks over NCCL (DDP): the parameters after several steps equal one CUDA process trained on
-  the union of the ranks' batches (1e-5). NCCL refuses two ranks on one GPU, so on a one-GPU
-  machine this case skips with NCCL's reason.
+  the union of the ranks' batches (1e-5). NCCL refuses two ranks on one GPU, so this case
+  needs two GPUs and skips with fewer.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_jobs import batches, mlp, needs_cuda, run_two_ranks, state_diff  # noqa: E402
+from cuda_jobs import batches, mlp, needs_cuda, needs_gpus, run_two_ranks, state_diff  # noqa: E402
 
 pytestmark = needs_cuda
 HERE = Path(__file__).resolve().parent
@@ -86,6 +86,7 @@ def _two_ranks(rank: int, world: int, out: str) -> None:
                 "device": str(device)}, f"{out}/rank{rank}.pt")
 
 
+@needs_gpus(2)
 def test_two_ranks_over_nccl_equal_one_process_on_the_union_batch(tmp_path):
     run_two_ranks(_two_ranks, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

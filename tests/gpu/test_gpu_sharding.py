@@ -5,7 +5,7 @@
 * two ranks over NCCL: stage 1 (ZeroRedundancyOptimizer under DDP), stage 2 and stage 3 (FSDP2)
   each equal one CUDA process with plain Adam on the union of the ranks' batches (1e-5), and
   ``state_dict`` gives the full plain tensors on both ranks. NCCL refuses two ranks on one GPU,
-  so on a one-GPU machine this case skips with NCCL's reason.
+  so this case needs two GPUs and skips with fewer.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_jobs import batches, mlp, needs_cuda, run_two_ranks, state_diff  # noqa: E402
+from cuda_jobs import batches, mlp, needs_cuda, needs_gpus, run_two_ranks, state_diff  # noqa: E402
 
 pytestmark = needs_cuda
 STEPS, ROWS, LR = 4, 8, 0.01
@@ -78,6 +78,7 @@ def _two_ranks(rank: int, world: int, out: str) -> None:
     torch.save(results, f"{out}/rank{rank}.pt")
 
 
+@needs_gpus(2)
 def test_two_ranks_over_nccl_each_stage_equals_one_process_on_the_union_batch(tmp_path):
     run_two_ranks(_two_ranks, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

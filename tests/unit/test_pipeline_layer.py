@@ -213,3 +213,21 @@ def test_errors_name_the_bad_argument():
         model.eval_batch(torch.zeros(4, 2))
     with pytest.raises(ValueError, match="unknown schedule_mode 'GPipe'"):
         PipelineParallel(PipelineLayer(layers, loss_fn=nn.MSELoss()), schedule_mode="GPipe")
+
+
+def test_transfers_travel_on_the_device_of_the_groups_backend(monkeypatch):
+    """NCCL moves CUDA tensors only: headers, tied weights and a stage's zero loss go on the
+    current GPU for an NCCL pipe group, on the CPU for gloo or without a group."""
+    from fleetx.parallel import stage as stage_module
+    from fleetx.parallel.p2p import _decode, _encode
+    assert stage_module.transfer_device(None) == torch.device("cpu")
+    backends = {"nccl-group": "nccl", "gloo-group": "gloo"}
+    monkeypatch.setattr(stage_module.dist, "get_backend", backends.__getitem__)
+    monkeypatch.setattr(stage_module.torch.cuda, "current_device", lambda: 3)
+    assert stage_module.transfer_device("nccl-group") == torch.device("cuda", 3)
+    assert stage_module.transfer_device("gloo-group") == torch.device("cpu")
+    pipe = stage_module.PipeGroup("nccl-group", 0, [0, 1])
+    assert pipe.device == torch.device("cuda", 3)
+    head = _encode([torch.ones(2, 3, requires_grad=True)], torch.device("cpu"))
+    assert _decode(head) == [(torch.float32, True, (2, 3))]
+
