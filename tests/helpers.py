@@ -14,6 +14,7 @@ import functools
 import json
 import multiprocessing
 import os
+import random
 import runpy
 import socket
 import subprocess
@@ -24,17 +25,39 @@ from pathlib import Path
 from typing import Iterator
 
 
+#: the first port of the range of pytest-xdist's worker gw0; worker gwN takes the N-th block of
+#: _BLOCK ports after it. All lie below the kernel's ephemeral range (32768-60999 on Linux), which
+#: it hands to connect() and bind(port 0): a port given out here is never some other test's
+#: outgoing connection, nor a port another worker gives out, between its release and its use.
+_FIRST, _BLOCK = 12000, 2000
+_next: list[int] = []
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))  # every address: a listener on any of them takes the port
+        except OSError:
+            return False
+    return True
+
+
 def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports that were free a moment ago (all bound at once, so no two
-    are the same, then released for the caller to use)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """``n`` distinct ports free a moment ago, from this test process's own block (its pytest-xdist
+    worker's), handed out in turn so that none comes back soon."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    low = _FIRST + _BLOCK * ((int(worker) if worker.isdigit() else 0) % 10)
+    if not _next:
+        _next.append(low + random.randrange(_BLOCK))
+    ports: list[int] = []
+    for _ in range(_BLOCK):
+        port = low + (_next[0] - low) % _BLOCK
+        _next[0] = port + 1
+        if _is_free(port):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"no {n} free ports in {low}-{low + _BLOCK - 1}")
 
 
 def free_port() -> int:
