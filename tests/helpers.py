@@ -138,7 +138,7 @@ def _fresh_path(pythonpath: str) -> tuple:
 
 def _script_main(argv: list, cwd: str, environ: dict, out: str, err: str, path: list) -> None:
     for fd, name in ((1, out), (2, err)):
-        target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
     os.chdir(cwd)
@@ -162,29 +162,76 @@ def _script_main(argv: list, cwd: str, environ: dict, out: str, err: str, path: 
     os._exit(code)
 
 
+class Script:
+    """``subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=PIPE, stderr=PIPE
+    or STDOUT, text=True)`` in a process forked from :func:`preloaded`'s server: the script runs
+    as ``__main__`` with the same ``sys.argv``, ``sys.path`` (its folder, then ``PYTHONPATH``,
+    then the interpreter's own), working directory, environment and exit status as under a
+    fresh interpreter, but torch and fleetx are imported already. The output goes to files,
+    read by :meth:`communicate`.
+
+    Args:
+        argv: the script (relative to ``cwd`` or absolute) and its arguments.
+        merged: stderr goes with stdout (``stderr=STDOUT``); :meth:`communicate` returns None
+            for it.
+    """
+
+    def __init__(self, argv: list, cwd, env: dict, merged: bool = False) -> None:
+        script = Path(cwd, argv[0]).resolve()
+        path = [str(script.parent), *_fresh_path(env.get("PYTHONPATH", ""))]
+        self.args = [sys.executable, *map(str, argv)]
+        self._tmp = tempfile.TemporaryDirectory()
+        self._out = os.path.join(self._tmp.name, "stdout")
+        self._err = self._out if merged else os.path.join(self._tmp.name, "stderr")
+        self._merged = merged
+        self._proc = preloaded().Process(
+            target=_script_main,
+            args=([str(script), *map(str, argv[1:])], str(cwd), dict(env), self._out, self._err,
+                  path))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self):
+        return self._proc.exitcode
+
+    def poll(self):
+        return self._proc.exitcode
+
+    def wait(self, timeout=None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        if self._proc.exitcode is None:
+            self._proc.kill()
+
+    terminate = kill
+
+    def communicate(self, timeout=None):
+        """Wait (``subprocess.TimeoutExpired`` after ``timeout`` seconds, the process left
+        running, as Popen's) and return ``(stdout, stderr)``."""
+        self.wait(timeout)
+        out = Path(self._out).read_text(errors="replace")
+        err = None if self._merged else Path(self._err).read_text(errors="replace")
+        self._tmp.cleanup()
+        return out, err
+
+
 def run_script(argv: list, cwd, env: dict, timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True,
-    text=True, timeout=timeout)`` in a process forked from :func:`preloaded`'s server: the script
-    runs as ``__main__`` with the same ``sys.argv``, ``sys.path`` (its folder, then
-    ``PYTHONPATH``, then the interpreter's own), working directory, environment and exit
-    status as under a fresh interpreter, but torch and fleetx are imported already.
+    text=True, timeout=timeout)`` as a :class:`Script`.
 
     Raises:
         subprocess.TimeoutExpired: it ran longer than ``timeout`` seconds (it is killed).
     """
-    script = Path(cwd, argv[0]).resolve()
-    path = [str(script.parent), *_fresh_path(env.get("PYTHONPATH", ""))]
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = preloaded().Process(target=_script_main,
-                                   args=([str(script), *argv[1:]], str(cwd), dict(env), out, err,
-                                         path))
-        proc.start()
-        proc.join(timeout)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout)
-        return subprocess.CompletedProcess([sys.executable, *argv], proc.exitcode,
-                                           Path(out).read_text(errors="replace"),
-                                           Path(err).read_text(errors="replace"))
+    proc = Script(argv, cwd, env)
+    try:
+        out, err = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
