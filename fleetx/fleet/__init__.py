@@ -44,7 +44,7 @@ Example:
 import sys
 import types
 
-from fleetx.fleet.api import FleetError, RuntimeHandlerError
+from fleetx.fleet.api import FleetError, RuntimeHandlerError, set_default_fleet
 from fleetx.fleet.fleet import Fleet
 from fleetx.role_maker import (PaddleCloudRoleMaker, Role, RoleMakerBase,
                                      UserDefinedRoleMaker)
@@ -52,6 +52,7 @@ from fleetx.fleet.util import UtilBase
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 
 _fleet = Fleet()
+set_default_fleet(_fleet)  # what a UtilBase or DistributedInfer built without a fleet serves
 
 init = _fleet.init
 is_first_worker = _fleet.is_first_worker
