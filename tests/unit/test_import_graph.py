@@ -437,6 +437,20 @@ def test_imports_inside_one_unit_and_outside_fleetx_are_no_edges(tmp_path):
     assert graph == {"fleetx": set(), "ps": set()}
 
 
+def test_the_ps_layers_its_docstring_lists_hold():
+    # fleetx/ps/__init__.py lists every module of the core in layers, bottom up
+    text = (PACKAGE / "ps" / "__init__.py").read_text()
+    layers = re.findall(r"^\* ((?::mod:`\.\w+`,?\s+)+)- ", text, re.M)
+    layer_of = {f"fleetx.ps.{m}": i for i, layer in enumerate(layers)
+                for m in re.findall(r":mod:`\.(\w+)`", layer)}
+    graph, where, _ = module_graph(PACKAGE)
+    core = {m for m in graph if m.startswith("fleetx.ps.") and m != "fleetx.ps._kernels"}
+    assert core == set(layer_of), "modules missing from the layers, or listed but absent"
+    upward = [f"{a} -> {b} ({where[(a, b)]})" for a in sorted(core) for b in sorted(graph[a])
+              if b in layer_of and layer_of[b] > layer_of[a]]
+    assert upward == [], "imports of a later layer of fleetx/ps/__init__.py's list"
+
+
 def test_the_ps_core_imports_no_torch():
     # every module of the core, in a fresh interpreter (servers are numpy-only processes)
     mods = [f"fleetx.ps.{p.stem}" for p in sorted((PACKAGE / "ps").glob("*.py"))
