@@ -451,6 +451,27 @@ def test_the_ps_layers_its_docstring_lists_hold():
     assert upward == [], "imports of a later layer of fleetx/ps/__init__.py's list"
 
 
+def test_the_ps_layer_table_of_the_docs_holds():
+    # docs/parameter_server.md §1: every module of the core has a row, imports only the rows
+    # above its own (the contract's parts aside), and depends on what its row says
+    text = (PACKAGE.parent / "docs" / "parameter_server.md").read_text()
+    section = text[text.index("## 1. Layers"):text.index("## 2. ")]
+    rows = re.findall(r"^\| `(\w+)\.py`[^|]*\|[^|]*\| ([^|]*) \|$", section, re.M)
+    place = {f"fleetx.ps.{name}": i for i, (name, _) in enumerate(rows)}
+    graph, where, _ = module_graph(PACKAGE)
+    core = {m for m in graph if m.startswith("fleetx.ps.") and m != "fleetx.ps._kernels"}
+    assert core == set(place)
+    contract = {f"fleetx.ps.{m}" for m in ("api", "errors", "wire", "specs", "config")}
+    later = [f"{a} -> {b} ({where[(a, b)]})" for a in sorted(core) for b in sorted(graph[a])
+             if b in place and b not in contract and place[b] > place[a]]
+    assert later == [], "imports of a module listed below in docs/parameter_server.md"
+    for name, deps in rows:
+        stated = {f"fleetx.ps.{d.strip()}" for d in deps.split(",") if d.strip() != "—"
+                  and not d.strip().startswith("`")}
+        actual = graph[f"fleetx.ps.{name}"]
+        assert stated <= actual, f"{name}.py does not import {sorted(stated - actual)}"
+
+
 def test_the_ps_core_imports_no_torch():
     # every module of the core, in a fresh interpreter (servers are numpy-only processes)
     mods = [f"fleetx.ps.{p.stem}" for p in sorted((PACKAGE / "ps").glob("*.py"))
