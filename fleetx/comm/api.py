@@ -5,6 +5,13 @@ one that raises, so the launcher, which sees only exit codes, would blame it. Th
 therefore works out who did not arrive (``progress.py``) and, when it runs under fleetrun,
 writes a :class:`Blame` to ``<log dir>/fault.<rank>.json``; fleetrun reads it when it reports
 the failure. This module imports nothing heavy: the launcher reads the report without torch.
+
+It also holds the package's one piece of process-wide state, the collective-call checker
+(:func:`set_checker`): the world's process groups (``groups.py``) install it when
+``FLEETX_DEBUG_COLLECTIVES=1`` and remove it when they are torn down, and :func:`check_call`
+consults it before each collective fleetx makes. It is process-wide, like torch's default
+process group, because the DDP comm hooks that make those calls are built by strategies with no
+handle on the process groups.
 """
 from __future__ import annotations
 

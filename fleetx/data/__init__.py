@@ -10,8 +10,9 @@ What it offers:
   :class:`QueueDataset` (streaming) and :class:`DatasetFactory`; iterating a dataset yields
   batches of torch tensors keyed by slot name (sparse slots as :class:`RaggedSlot` ids +
   offsets, ready for ``nn.EmbeddingBag`` / ``fleetx.nn.SparseEmbeddingBag``);
-* ``pipe.py`` (one file's ``download_cmd | pipe_command`` pipeline), ``readers.py`` and
-  ``reader_process.py`` (``thread_num`` parallel readers, threads or processes), ``parse.py``
+* ``pipe.py`` (one file's ``download_cmd | pipe_command`` pipeline), ``reading.py`` (one file
+  read: its pipeline, then the parser), ``readers.py`` and ``reader_process.py`` (``thread_num``
+  parallel readers, threads or processes, each reading files as ``reading.py`` does), ``parse.py``
   with ``_slots.c`` (the slot text parser, C or numpy), ``block.py`` (samples in columns, packed
   into raw buffers), ``shuffle.py`` (local and global shuffles), ``batches.py`` (tensors);
 * ``api.py``: the contract: :class:`Slot`, :class:`RaggedSlot`, the errors, and the protocol of

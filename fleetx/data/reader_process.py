@@ -31,6 +31,7 @@ from fleetx.data import processes
 from fleetx.data.api import (BadLineError, DataError, PipeCommandError, PipeTimeoutError,
                              Slot)
 from fleetx.data.block import SampleBlock
+from fleetx.data.reading import Abandoned, ReadOptions, read_file
 
 __all__ = ["ProcessReader", "main"]
 
@@ -45,7 +46,7 @@ _BOOT = f"import sys; sys.path.insert(0, {_ROOT!r}); " \
         f"from fleetx.data.reader_process import main; main()"
 
 
-def _config(options: Any) -> str:
+def _config(options: ReadOptions) -> str:
     return json.dumps({"slots": [[s.name, s.dtype, s.dense_width] for s in options.slots],
                        "download_cmd": options.download_cmd,
                        "pipe_command": options.pipe_command,
@@ -82,7 +83,6 @@ def _error_from(payload: bytes, path: str) -> BaseException:
 
 def main() -> None:
     """The reader process: read the jobs on stdin, answer with frames on stdout."""
-    from fleetx.data.readers import ReadOptions, read_file
     config = json.loads(sys.argv[1])
     options = ReadOptions(tuple(Slot(*s) for s in config["slots"]), config["download_cmd"],
                           config["pipe_command"], config["skip_bad_lines"],
@@ -171,7 +171,6 @@ class ProcessReader:
         self.config = _config(reader.options)
 
     def run(self) -> None:
-        from fleetx.data.readers import Abandoned
         index = None
         with tempfile.TemporaryFile() as err:
             try:

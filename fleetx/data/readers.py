@@ -10,7 +10,9 @@ Two kinds of reader, the same results (a test runs both on the same files):
   and sending packed blocks back over a pipe (raw arrays, no pickle). The default with the numpy
   parser, which holds the GIL for much of its work.
 
-``benchmarks/dataset.py`` measures both; docs/datasets.md has the choice and why.
+``benchmarks/dataset.py`` measures both; docs/datasets.md has the choice and why. Both read a
+file the same way, :func:`~fleetx.data.reading.read_file` (``reading.py``, re-exported here with
+:class:`ReadOptions` and :class:`Abandoned`).
 
 Files are handed out in list order; a file's chunks wait in a queue of their own until the
 dataset takes them, so the samples arrive in file order whatever the readers' speeds. With
@@ -19,7 +21,6 @@ ahead of the consumer waits: memory stays bounded.
 """
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -28,8 +29,9 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from fleetx.data.api import DataError
 from fleetx.data.block import SampleBlock
-from fleetx.data.parse import backend, parse_lines
-from fleetx.data.pipe import CHUNK_BYTES, read_lines
+from fleetx.data.parse import backend
+from fleetx.data.reader_process import ProcessReader
+from fleetx.data.reading import Abandoned, ReadOptions, read_file
 
 __all__ = ["ReadOptions", "ParallelReader", "default_kind", "READER_KINDS", "read_file",
            "progress_printer", "Abandoned"]
@@ -41,21 +43,6 @@ _POLL_S = 0.2  # how often a waiting reader looks whether the read was abandoned
 def default_kind(parser: Optional[str] = None) -> str:
     """``"thread"`` with the C parser (it runs without the GIL), else ``"process"``."""
     return "thread" if (parser or backend()) == "c" else "process"
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How every file is read: the commands, the slots, bad lines, the chunk size, the
-    parser (None: the C one when it is built; benchmarks compare them), and how long the
-    commands may stay silent."""
-
-    slots: tuple
-    download_cmd: str = "cat"
-    pipe_command: str = "cat"
-    skip_bad_lines: bool = False
-    chunk_bytes: int = CHUNK_BYTES
-    parser: Optional[str] = None
-    timeout: Optional[float] = None  # seconds a file's commands may stay silent (FLEETX_TIMEOUT)
 
 
 @dataclass
@@ -72,22 +59,6 @@ class _Done:
 @dataclass
 class _Failed:
     error: BaseException
-
-
-def read_file(path: str, options: ReadOptions, emit: Callable,
-              tracker: Optional[object] = None) -> int:
-    """Read one file; ``emit(block, lines)`` for each parsed chunk. Returns the bad lines
-    skipped. ``tracker``: ``add(process, stop)`` / ``discard(process)`` for its commands."""
-    skipped = 0
-    chunks = read_lines(path, options.download_cmd, options.pipe_command, options.chunk_bytes,
-                        tracker, options.timeout)
-    with contextlib.closing(chunks):  # stopping early kills the file's commands at once
-        for first_line, data in chunks:
-            block, bad = parse_lines(data, options.slots, path, first_line,
-                                     options.skip_bad_lines, options.parser)
-            skipped += bad
-            emit(block, data.count(b"\n"))
-    return skipped
 
 
 class ParallelReader:
@@ -177,7 +148,6 @@ class ParallelReader:
         if self.kind == "thread":
             target = self._thread_main
         else:
-            from fleetx.data.reader_process import ProcessReader
             target = ProcessReader(self).run
         for i in range(self.readers if self.files else 0):
             worker = threading.Thread(target=target, name=f"fleetx-data-reader-{i}",
@@ -225,10 +195,6 @@ class ParallelReader:
         for worker in self._workers:
             worker.join()
         self._workers = []
-
-
-class Abandoned(Exception):
-    """The consumer stopped reading: a reader unwinds (its pipe commands are killed)."""
 
 
 def progress_printer(interval: float, what: str, out: Callable = print) -> Callable:

@@ -9,9 +9,10 @@ object: ``init`` reads the role, joins the world and plans the strategies;
 entry points (``init_worker``, ``init_server``, ``run_server``, ``stop_worker``) hand over to
 the runtime the plan chose. Those forwarding calls, the role queries and Paddle's optimizer
 calls on the fleet live in ``delegation.py``; ``state_bytes`` (the training state this
-process holds) in ``memory.py``; the errors in ``api.py``. The module-level
-functions are bound methods of one default :class:`Fleet`; build your own ``Fleet()`` for tests
-or for several jobs in one process. ``save_checkpoint`` / ``load_checkpoint``
+process holds) in ``memory.py``; the errors, and the default fleet's registration, in
+``api.py``. The module-level functions are bound methods of one default :class:`Fleet`; build
+your own ``Fleet()`` for tests or for several jobs in one process (they share the process-wide
+state listed below). ``save_checkpoint`` / ``load_checkpoint``
 (``checkpoints.py``) save and restore the training state of a collective job;
 ``auto_checkpoint`` / ``start_step`` do it every k optimizer steps and resume a restarted job. The datasets and
 data generators (``InMemoryDataset``, ``QueueDataset``, ``DatasetFactory``,
@@ -19,18 +20,31 @@ data generators (``InMemoryDataset``, ``QueueDataset``, ``DatasetFactory``,
 
 What it may import: torch, :mod:`fleetx.env`, :mod:`fleetx.role_maker`, :mod:`fleetx.strategy`
 (its contract, the ``DistributedStrategy`` surface and the planner), :mod:`fleetx.comm` (the
-process groups), :mod:`fleetx.optim` (the wrapper base) and :mod:`fleetx.metrics` (re-exported
-as ``fleet.metrics``, as in Paddle) and :mod:`fleetx.data` (the datasets, re-exported). Those
-packages must not import ``fleet`` back: a lower
-layer that needs the fleet takes what it needs as an argument. It also imports
-:mod:`fleetx.checkpoint` (the format of the training checkpoints).
+process groups), :mod:`fleetx.optim` (the wrapper base), :mod:`fleetx.metrics` (re-exported
+as ``fleet.metrics``, as in Paddle), :mod:`fleetx.data` (the datasets, re-exported),
+:mod:`fleetx.parallel` (the hybrid communicate group; ``fleet.meta_parallel``),
+:mod:`fleetx.observe` (``fleet.observe``) and :mod:`fleetx.checkpoint` (the format of the
+training checkpoints). Those packages must not import ``fleet`` back: a lower layer that needs
+the fleet takes what it needs as an argument.
 
 Invariants:
 
 * the engine (``fleet.py``, ``model.py``, ``optimizer.py``) never names a strategy: it asks
   the planner for a plan and runs the :class:`~fleetx.strategy.api.TrainingContext` hook
   points the planned strategies filled in;
-* there is no hidden global beyond the default ``Fleet`` behind the module-level functions;
+* the process-wide state is the default ``Fleet`` and what Paddle's API reaches with no fleet
+  in hand, each set in one place: the hybrid communicate group
+  (:func:`fleetx.parallel.hcg.get_hcg`, set by ``init`` in ``hybrid.py``, cleared when that
+  fleet leaves its world: Paddle's tensor-parallel layers, pipeline and hybrid clipping find
+  their groups through it), the util of ``fleet.metrics.*(util=None)``
+  (:func:`fleetx.metrics.api.set_default_util`, set by this ``__init__``), the collective-call
+  checker (:func:`fleetx.comm.api.set_checker`, installed by the world's process groups under
+  ``FLEETX_DEBUG_COLLECTIVES=1``: the DDP comm hooks it checks are built with no handle on
+  them), the model-parallel random streams (:func:`fleetx.parallel.random.get_rng_state_tracker`,
+  Paddle's), the strategies, model types and fields that strategy modules register as they
+  load (:mod:`fleetx.strategy.api`, :mod:`fleetx.strategy.fields`) and, in tests only, the
+  recorder of config reads (:func:`fleetx.strategy.config.recording_reads`). Fleets in one
+  process share these: the last one to ``init`` owns the hybrid group;
 * the wrappers keep the user's objects: ``model.state_dict()`` has the plain model's keys and
   the optimizer's groups and state are the inner optimizer's.
 
@@ -44,7 +58,7 @@ Example:
 import sys
 import types
 
-from fleetx.fleet.api import FleetError, RuntimeHandlerError
+from fleetx.fleet.api import FleetError, RuntimeHandlerError, set_default_fleet
 from fleetx.fleet.fleet import Fleet
 from fleetx.role_maker import (PaddleCloudRoleMaker, Role, RoleMakerBase,
                                      UserDefinedRoleMaker)
@@ -52,6 +66,7 @@ from fleetx.fleet.util import UtilBase
 from fleetx.strategy.distributed_strategy import DistributedStrategy
 
 _fleet = Fleet()
+set_default_fleet(_fleet)  # what a UtilBase or DistributedInfer built without a fleet serves
 
 init = _fleet.init
 is_first_worker = _fleet.is_first_worker

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from fleetx.fleet.api import FleetError
+from fleetx.fleet.api import FleetError, default_fleet
 from fleetx.role_maker import RoleMakerBase
 
 __all__ = ["DistributedInfer"]
@@ -69,8 +69,7 @@ class DistributedInfer:
     @property
     def fleet(self) -> Any:
         if self._fleet is None:
-            from fleetx.fleet import _fleet  # the package imports this module: resolve late
-            self._fleet = _fleet
+            self._fleet = default_fleet()
         return self._fleet
 
     def init_distributed_infer_env(self, exe: Any = None, loss: Any = None,

@@ -24,7 +24,7 @@ from fleetx.fleet.optimizer import DistributedOptimizer
 from fleetx.strategy.algorithms.auto import Measurement, held_bytes
 from fleetx.strategy.api import Plan, TrainingContext, WorldInfo, registered
 from fleetx.strategy.measured import SavedForBackward
-from fleetx.strategy.planner import plan_for
+from fleetx.strategy.planner import make_plan, plan_for
 
 __all__ = ["apply_plan", "run_trial", "TRIAL_STEPS"]
 
@@ -37,9 +37,10 @@ def apply_plan(plan: Plan, strategy: Any, world: WorldInfo, model: Optional[torc
                optimizer: Optional[torch.optim.Optimizer], trial: Any = None,
                replan: Any = None) -> TrainingContext:
     """A training context with every applied strategy of ``plan`` installed, in order
-    (``trial`` and ``replan``: the engine's seams for ``auto``, set before any ``apply``)."""
+    (``trial``, ``replan`` and the planner: the engine's seams for ``auto``, set before any
+    ``apply``)."""
     ctx = TrainingContext(world, strategy, optimizer, model)
-    ctx.trial, ctx.replan = trial, replan
+    ctx.trial, ctx.replan, ctx.planner = trial, replan, make_plan
     for name in plan.applied:
         registered(name)(strategy).apply(ctx)
     return ctx

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fleetx.fleet.api import default_fleet
+
 __all__ = ["UtilBase"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -62,8 +64,7 @@ class UtilBase:
     def _world(self) -> Any:
         """The fleet this util serves (bound on first use when none was given)."""
         if self._fleet is None:
-            from fleetx.fleet import _fleet  # the package imports this module: resolve late
-            self._fleet = _fleet
+            self._fleet = default_fleet()
         return self._fleet
 
     def _group(self, comm_world: str) -> Any:

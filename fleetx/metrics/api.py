@@ -4,6 +4,10 @@ Every metric takes local statistics (numpy arrays, tensors, numbers, or names lo
 ``scope`` mapping), sums or maxes them over the workers with ``util.all_reduce`` and computes
 the value from the global totals. ``util=None`` means ``fleet.util``, read when the metric is
 called, so a user who assigns ``fleet.util = MyUtil()`` gets their util here too.
+
+That default is process-wide state: :func:`set_default_util` holds how to find ``fleet.util``,
+and ``fleetx/fleet/__init__.py`` sets it when it is imported. It exists because Paddle's
+``fleet.metrics.auc(...)`` takes no fleet; a call given ``util=`` never reads it.
 """
 from __future__ import annotations
 

@@ -9,10 +9,11 @@ de-duplicated ``(ids, grads)`` over after backward (``pop_gradients``).
 
 What it may import: torch, numpy, its own modules, :mod:`fleetx.ps.api` for the table's
 declared configuration (``InitConfig``, ``RuleConfig``: plain data) and :mod:`fleetx.ps.kernels`
-(the C segment sum of a lookup's backward). It never imports the PS
-client, server or runtime, nor ``fleet`` or ``strategy``: whatever binds a backend (the
-parameter-server adapter, or a local table in one process) imports this package, not the
-reverse.
+(the C segment sum of a lookup's backward). Importing those runs ``fleetx/ps/__init__.py``,
+which loads the numpy-only core, its client and server included; nothing here uses them, nor
+the parameter-server runtime (:mod:`fleetx.ps_torch`), ``fleet`` or ``strategy``, none of
+which it imports: whatever binds a backend (the parameter-server adapter, or a local table in
+one process) imports this package, not the reverse.
 
 Invariants:
 

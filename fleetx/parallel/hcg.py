@@ -5,6 +5,12 @@
 ``fleet.get_hybrid_communicate_group()`` and :func:`get_hcg` return it. Tests and scripts that
 run without ``fleet.init`` build one themselves after ``torch.distributed.init_process_group``.
 
+:func:`get_hcg` reads process-wide state: the group the fleet that initialised last registered
+with :func:`set_hcg` (``fleetx/fleet/hybrid.py``; it clears it when that fleet leaves its world).
+It exists because Paddle's API reaches the group with no fleet in hand: the tensor-parallel
+layers, the pipeline stage and hybrid clipping are built by user code that passes no group, as
+in Paddle. Code that has a fleet asks it instead (``fleet.get_hybrid_communicate_group()``).
+
 Every rank creates every group of every axis, in the same order (data, pipe, sharding, model,
 then the check groups): ``torch.distributed.new_group`` is a collective call over the world,
 and ranks that created groups in different orders would pair the wrong groups.

@@ -13,7 +13,8 @@ another (and :mod:`fleetx.env`) and which no other module imports directly:
 * :mod:`fleetx.ps.specs` - :class:`RuleConfig`, :class:`InitConfig`, the admission entries,
   :class:`AccessorConfig`, :class:`SparseTableSpec`, :class:`DenseTableSpec`, :class:`Tables`;
 * :mod:`fleetx.ps.config` - :class:`PSMode`, :class:`PSConfig`, :class:`CommunicatorConfig`,
-  and :func:`settings_from_env`, the one reader of the parameter-server variables.
+  and :func:`settings_from_env`, where servers and workers read the parameter-server variables
+  (the launcher only asks whether a secret is set, to make one when none is).
 
 For everything else the modules of the package import one another in the layer order that
 :mod:`fleetx.ps` describes. The byte-level wire format is specified in

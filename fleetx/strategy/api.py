@@ -113,6 +113,8 @@ class TrainingContext:
       training steps of ``strategy``'s plan on copies of the model and optimizer.
     * ``replan``: set by the engine: ``fn(strategy, report) -> None`` replaces the strategy in
       force and rebuilds the training context from it (``report`` is shown by explain).
+    * ``planner``: set by the engine: ``fn(plan_input) -> Plan``, the planner that made this
+      context's plan (``auto`` plans its candidates with it, as ``PlanInput.planner``).
     """
 
     def __init__(self, world: WorldInfo, strategy: Any, optimizer: Any = None,
@@ -142,6 +144,7 @@ class TrainingContext:
         self.first_batch: list[Callable[[tuple, dict], None]] = []
         self.trial: Optional[Callable[[Any, tuple, dict], Any]] = None
         self.replan: Optional[Callable[[Any, Any], None]] = None
+        self.planner: Optional[Callable[[PlanInput], Plan]] = None
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:

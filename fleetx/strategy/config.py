@@ -15,6 +15,11 @@ Python float. Errors are raised at once and name the setting and what it accepts
 
     TypeError: amp_configs['incr_ratio'] must be a float, got str '2'
     ValueError: amp_configs['decr_ratio'] must be in (0, 1), got 1.5
+
+Process-wide state here: the field specs of each config class, computed once from its
+declaration, and the recorder :func:`recording_reads` opens, a test tool (one at a time for the
+whole process, since a config's fields are read with no handle to report to; production code
+never opens one).
 """
 from __future__ import annotations
 

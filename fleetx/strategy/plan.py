@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 from fleetx import env
 
@@ -125,12 +125,20 @@ class OptimizerInfo:
 
 @dataclass(frozen=True)
 class PlanInput:
-    """Everything a ``can_apply`` may look at: the strategy, world, model and optimizer."""
+    """Everything a ``can_apply`` may look at: the strategy, world, model and optimizer.
+
+    ``planner`` is the function planning this input, ``fn(plan_input) -> Plan``:
+    :func:`~fleetx.strategy.planner.make_plan` hands itself over here, so a strategy that weighs
+    whole plans (``auto``) plans its candidates without importing the planner, which imports
+    every strategy. It takes no part in comparisons or the ``repr``.
+    """
 
     strategy: Any  # DistributedStrategy
     world: WorldInfo
     model: ModelInfo = ModelInfo()
     optimizer: OptimizerInfo = OptimizerInfo()
+    planner: Optional[Callable[["PlanInput"], "Plan"]] = field(default=None, compare=False,
+                                                               repr=False)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ unit tests can call it with no processes.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from typing import Any, Optional, Sequence
@@ -52,6 +53,8 @@ def make_plan(plan_input: PlanInput, strategies: Optional[Sequence[type]] = None
     """
     if strategies is None:
         load_strategies()
+    if plan_input.planner is None:  # what a strategy weighing other plans plans them with
+        plan_input = dataclasses.replace(plan_input, planner=make_plan)
     candidates = sort_strategies(registered() if strategies is None else strategies)
     entries: dict[str, PlanEntry] = {}
     errors: list[str] = []

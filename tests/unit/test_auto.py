@@ -50,16 +50,16 @@ def test_repeated_blocks_are_the_children_of_the_largest_container():
 def test_candidates_search_the_unset_switches_only():
     model = ModelInfo.of(_mlp())
     one = WorldInfo()
-    names = [c.name for c in candidates(_auto(), PlanInput(_auto(), one, model))]
+    names = [c.name for c in candidates(_auto(), PlanInput(_auto(), one, model, planner=make_plan))]
     assert names == ["plain", "recompute", "amp", "amp + recompute"]
     fixed = _auto()
     fixed.amp = False  # set by the user: kept in every candidate
-    found = candidates(fixed, PlanInput(fixed, one, model))
+    found = candidates(fixed, PlanInput(fixed, one, model, planner=make_plan))
     assert [c.name for c in found] == ["plain", "recompute"]
     assert all(c.strategy.amp is False and c.strategy.auto is False for c in found)
     assert found[1].strategy.recompute_configs["checkpoints"] == [f"0.{i}" for i in range(DEPTH)]
     two = WorldInfo(world_size=2)
-    names = [c.name for c in candidates(fixed, PlanInput(fixed, two, model))]
+    names = [c.name for c in candidates(fixed, PlanInput(fixed, two, model, planner=make_plan))]
     assert names[0] == "data parallel" and "recompute" in names
     sharding = [n for n in names if n.startswith("sharding")]
     from fleetx.strategy.fields import TopLevelConfig
@@ -67,6 +67,20 @@ def test_candidates_search_the_unset_switches_only():
     offered = not TopLevelConfig.specs()["sharding"].no_effect and "stage" in ShardingConfig.specs()
     assert sharding == (["sharding stage 1", "sharding stage 2", "sharding stage 3"]
                         if offered else [])
+
+
+def test_candidates_are_planned_by_the_planner_the_input_carries():
+    # the planner hands itself to every can_apply; auto plans its candidates with it
+    seen = []
+
+    def planner(plan_input):
+        seen.append(plan_input.strategy.recompute)
+        return make_plan(plan_input)
+    model = ModelInfo.of(_mlp())
+    found = candidates(_auto(), PlanInput(_auto(), WorldInfo(), model, planner=planner))
+    assert len(seen) == len(found) == 4 and sorted(seen) == [False, False, True, True]
+    with pytest.raises(StrategyError, match="PlanInput.planner, which make_plan sets"):
+        candidates(_auto(), PlanInput(_auto(), WorldInfo(), model))
 
 
 def test_the_plan_defers_every_other_strategy_to_auto():

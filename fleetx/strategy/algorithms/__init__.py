@@ -18,5 +18,7 @@ modules. Modules that only hold settings (``hybrid``, ``tensor_parallel``, ``gra
 helper, and ``inert`` turns the settings declared without effect into plan warnings.
 
 The modules import the contract and each other's ``Strategy`` classes (to declare relations
-between them), never the fleet that runs them.
+between them), never the fleet that runs them nor the planner that loads them: ``auto``, which
+plans its candidate plans, uses the planner handed to it (``PlanInput.planner``,
+``TrainingContext.planner``).
 """

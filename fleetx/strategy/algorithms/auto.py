@@ -134,9 +134,17 @@ def candidates(base: Any, plan_input: PlanInput) -> list[Candidate]:
     """Every combination of the searched switches that the planner accepts, plain first.
 
     Pure: builds strategies and plans, runs nothing. A combination the planner refuses (a
-    conflict with a switch the user set) is left out.
+    conflict with a switch the user set) is left out. Each is planned with
+    ``plan_input.planner`` (the planner passes itself there; this module cannot import it,
+    since the planner imports every strategy).
+
+    Raises:
+        StrategyError: ``plan_input`` carries no planner.
     """
-    from fleetx.strategy.planner import make_plan
+    make_plan = plan_input.planner
+    if make_plan is None:
+        raise StrategyError("auto: plans its candidates with PlanInput.planner, which "
+                            "make_plan sets; build the PlanInput with planner=make_plan")
     found = []
     for combo in itertools.product(*_choices(base, plan_input)):
         strategy = copy.deepcopy(base)
@@ -146,7 +154,7 @@ def candidates(base: Any, plan_input: PlanInput) -> list[Candidate]:
                 setattr(strategy, field, value)
         try:
             make_plan(PlanInput(strategy, plan_input.world, plan_input.model,
-                                plan_input.optimizer))
+                                plan_input.optimizer, make_plan))
         except StrategyError:
             continue
         labels = [label for label, _ in combo if label]
@@ -323,12 +331,12 @@ def search(ctx: TrainingContext, base: Any, args: tuple, kwargs: dict) -> None:
     Raises:
         StrategyError: no optimizer was wrapped yet, or no candidate could run a step.
     """
-    if ctx.optimizer is None or ctx.trial is None:
+    if ctx.optimizer is None or ctx.trial is None or ctx.planner is None:
         raise StrategyError("auto: measures training steps, so call "
                             "fleet.distributed_optimizer(optimizer) before the first training "
                             "forward of the model")
     world = ctx.world
-    plan_input = PlanInput(base, world, ModelInfo.of(ctx.model))
+    plan_input = PlanInput(base, world, ModelInfo.of(ctx.model), planner=ctx.planner)
     found = candidates(base, plan_input)
     budget, source = memory_budget(world, held_bytes(ctx.model, ctx.optimizer))
     rng = _rng_state()
