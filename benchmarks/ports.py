@@ -17,11 +17,22 @@ import torch.multiprocessing as mp
 from fleetx.launch.script import exit_cleanly
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports on 127.0.0.1 nobody listens on now (the OS picks them, all bound at
+    once so no two are the same; they may be taken later)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 nobody listens on now (the OS picks it; it may be taken later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def start_processes(fn: Callable, args: tuple, nprocs: int, **kwargs: Any) -> Any:

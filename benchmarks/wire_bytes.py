@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from ports import free_port, start_processes
+from ports import free_ports, start_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 DGC_FLAGS = {"dgc": True, "dgc_configs": {"rampup_begin_step": 0, "rampup_step": 1,
@@ -208,7 +208,7 @@ def count(world: int, args) -> dict:
     """Spawn ``world`` ranks; per case: every rank's bytes sent and received per step, and the
     formula's bytes sent."""
     with tempfile.TemporaryDirectory(prefix="fleetx_wire_") as out:
-        start_processes(_rank, args=(world, (free_port(), free_port()), args, out),
+        start_processes(_rank, args=(world, tuple(free_ports(2)), args, out),
                            nprocs=world, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(world)]
     model = make_model(args.model)[0]

@@ -13,15 +13,26 @@ where it stands; under fleetrun the count goes to the rank's progress record
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from fleetx import env
 from fleetx.checkpoint.manifest import has_checkpoint
 from fleetx.checkpoint.progress import NO_CHECKPOINT, ProgressRecord
-from fleetx.checkpoint.training import TrainingState, load, save
 from fleetx.fleet.api import FleetError
 
+if TYPE_CHECKING:
+    from fleetx.checkpoint.training import TrainingState
+
 __all__ = ["CheckpointCalls"]
+
+
+def _training() -> Any:
+    """:mod:`fleetx.checkpoint.training`, imported at the first save or load: it imports
+    ``torch.distributed.checkpoint``, which a process that never checkpoints should not pay
+    for at ``import fleetx``."""
+    from fleetx.checkpoint import training
+
+    return training
 
 
 class CheckpointCalls:
@@ -59,7 +70,7 @@ class CheckpointCalls:
         """
         ts = self._training_state("save_checkpoint")
         ts.steps = self._steps_taken
-        save(path, ts, extra)
+        _training().save(path, ts, extra)
         self._saved_at = self._steps_taken
         self._record()
 
@@ -85,7 +96,7 @@ class CheckpointCalls:
             >>> step = fleet.load_checkpoint("ckpt")["step"]
         """
         ts = self._training_state("load_checkpoint")
-        extra = load(path, ts)
+        extra = _training().load(path, ts)
         self._steps_taken = self._saved_at = ts.steps
         self._record()
         return extra
@@ -178,14 +189,15 @@ class CheckpointCalls:
         if self._progress is not None:
             self._progress.update(self._steps_taken, self._saved_at)
 
-    def _training_state(self, what: str) -> TrainingState:
+    def _training_state(self, what: str) -> "TrainingState":
         rm = self._rm(what)
         if not self._models:
             raise FleetError(f"fleet.{what}() saves and loads the model given to "
                              f"fleet.distributed_model(...): call that first")
         optimizer = self._dist_optimizer
         ctx: Any = optimizer._ctx if optimizer is not None else self._context()
-        return TrainingState(module=self._models[-1].module,
-                             optimizer=optimizer.inner if optimizer is not None else None,
-                             strategy_state=ctx.state, rank=rm._worker_index(),
-                             world_size=rm._worker_num(), strategies=tuple(self.applied_strategies()))
+        return _training().TrainingState(
+            module=self._models[-1].module,
+            optimizer=optimizer.inner if optimizer is not None else None,
+            strategy_state=ctx.state, rank=rm._worker_index(), world_size=rm._worker_num(),
+            strategies=tuple(self.applied_strategies()))

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fleetx.parallel.api import is_dtensor
 
 __all__ = ["DistributedModel"]
 
@@ -139,7 +140,7 @@ def _strip_prefix(module: nn.Module, state_dict: dict, prefix: str, local_metada
     inner = prefix + "module."
     for key in [k for k in state_dict if k.startswith(inner)]:
         value = state_dict.pop(key)
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             value = value.full_tensor()
         state_dict[prefix + key[len(inner):]] = value
 
@@ -149,12 +150,13 @@ def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) ->
     # cuts its own from the full tensor it was given: no communication).
     inner = prefix + "module."
     sharded = {name: p for name, p in module.module.named_parameters()
-               if isinstance(p, DTensor)}
+               if is_dtensor(p)}
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         value, name = state_dict.pop(key), key[len(prefix):]
         target = sharded.get(name)
-        if target is not None and isinstance(value, torch.Tensor) and not isinstance(
-                value, DTensor):
+        if target is not None and isinstance(value, torch.Tensor) and not is_dtensor(value):
+            from torch.distributed.tensor import distribute_tensor  # loaded: target is one
+
             value = distribute_tensor(value.to(target.device), target.device_mesh,
                                       target.placements, src_data_rank=None)
         state_dict[inner + name] = value

@@ -27,8 +27,8 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from fleetx.parallel.api import is_dtensor, local_part
 from fleetx.parallel.hcg import HybridCommunicateGroup, get_hcg
 from fleetx.parallel.layers import sharded_parameters
 from fleetx.parallel.pipeline import PipelineLayer
@@ -115,7 +115,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     with torch.no_grad():
         for param in params:
             grad = param.grad
-            if isinstance(grad, DTensor):
+            if is_dtensor(grad):
                 grad.to_local().mul_(coef.to(grad.device))
             else:
                 grad.mul_(coef.to(grad.device))
@@ -123,7 +123,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    return local_part(grad)
 
 
 def _counts_here(param: torch.Tensor, shards: set, copies: set,
@@ -135,6 +135,6 @@ def _counts_here(param: torch.Tensor, shards: set, copies: set,
         return True
     if id(param) not in shards and hcg.get_model_parallel_rank() != 0:
         return False
-    if not isinstance(param.grad, DTensor) and hcg.get_sharding_parallel_rank() != 0:
+    if not is_dtensor(param.grad) and hcg.get_sharding_parallel_rank() != 0:
         return False
     return True

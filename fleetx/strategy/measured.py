@@ -12,7 +12,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from fleetx.parallel.api import local_part
 
 __all__ = ["measure", "SavedForBackward"]
 
@@ -50,7 +51,7 @@ def _bytes(tensors: Iterable[torch.Tensor], seen: set) -> int:
     """Bytes of the storages behind ``tensors`` not in ``seen`` (which gains them)."""
     total = 0
     for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_part(tensor)
         storage = local.untyped_storage()
         if storage.nbytes() == 0:  # a freed buffer (FSDP2 resizes gathered ones to 0)
             continue
@@ -128,7 +129,7 @@ class SavedForBackward:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local_part(t)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

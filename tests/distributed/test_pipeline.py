@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import _entry, run, run_and_load  # noqa: E402
-from helpers import free_port  # noqa: E402
+import spawn  # noqa: E402
+from spawn import run, run_and_load  # noqa: E402
 
 MICRO, ACC, STEPS, WIDTH, VOCAB = 2, 4, 3, 16, 12
 CASES = {  # name -> (schedule_mode, recompute_interval, amp, seg_method)
@@ -238,9 +238,7 @@ def _faulty(rank: int, world: int, out: str, fault: str) -> None:
 
 @pytest.mark.parametrize("fault", ["kill", pytest.param("silent", marks=pytest.mark.slow)])
 def test_a_dead_or_silent_stage_is_an_error_naming_it(tmp_path, fault):
-    import torch.multiprocessing as mp
-    context = mp.start_processes(_entry, args=(_faulty, 2, free_port(), (str(tmp_path), fault)),
-                                 nprocs=2, start_method="spawn", join=False)
+    context = spawn.start(_faulty, 2, str(tmp_path), fault)
     first = context.processes[0]
     try:
         first.join(timeout=120)  # generous: the bound is the 5 s timeout plus start-up

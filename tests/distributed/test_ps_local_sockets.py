@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import socket
 import stat
 import sys
@@ -25,9 +26,13 @@ from fleetx.ps.handshake import CHALLENGE, REJECTED, RESPONSE_BYTES  # noqa: E40
 
 @pytest.fixture
 def private_tmp(tmp_path, monkeypatch):
-    """The sockets' folder under this test's own temporary directory."""
-    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
-    return tmp_path / f"fleetx-ps-{os.geteuid()}"
+    """The sockets' folder under a temporary directory of this test's own, short enough for a
+    socket path (pytest's own, under a parallel run's worker folder, can pass 100 bytes).
+    ``tmp_path`` is made first, while pytest still finds its base folder."""
+    short = tempfile.mkdtemp(prefix="fx")
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: short)
+    yield Path(short) / f"fleetx-ps-{os.geteuid()}"
+    shutil.rmtree(short, ignore_errors=True)
 
 
 def family(client) -> int:

@@ -1,5 +1,9 @@
 """Every Python block of README.md and docs/*.md runs as written (docs/writing_docs.md gives the
-marker convention); skipped blocks are the ones tests/docs/skipped.txt lists, with a reason."""
+marker convention); skipped blocks are the ones tests/docs/skipped.txt lists, with a reason.
+
+A block for ``python`` runs as ``python block.py`` would, in a process forked from a server that
+imported torch and fleetx once (``helpers.run_script``); a block for ``fleetrun`` runs under the
+real launcher."""
 from __future__ import annotations
 
 import os
@@ -11,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from doc_blocks import ROOT, recipes, runnable_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import run_script  # noqa: E402  (tests/helpers.py)
 
 BLOCKS = runnable_blocks()
 SKIP_LIST = Path(__file__).with_name("skipped.txt")
@@ -28,9 +35,7 @@ def _env() -> dict:
 
 
 def _command(block, script: Path) -> list[str]:
-    if block.mode == "fleetrun":
-        return [sys.executable, "-m", "fleetx.launch", *block.arg.split(), str(script)]
-    return [sys.executable, str(script)]
+    return [sys.executable, "-m", "fleetx.launch", *block.arg.split(), str(script)]
 
 
 def _params():
@@ -53,8 +58,11 @@ def test_block_runs(block, tmp_path):
         block.arg = " ".join(a for a in block.arg.split() if a != "slow")
     script = tmp_path / "block.py"
     script.write_text(block.script())
-    res = subprocess.run(_command(block, script), cwd=tmp_path, env=_env(), capture_output=True,
-                         text=True, timeout=240)
+    if block.mode == "fleetrun":
+        res = subprocess.run(_command(block, script), cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True, timeout=240)
+    else:
+        res = run_script([str(script)], tmp_path, _env(), timeout=240)
     logs = "".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "log").glob("*")
                    if p.is_file())  # fleetrun's log folder holds folders too (ps_snapshots)
     assert res.returncode == 0, (f"{block.name} failed ({res.returncode}):\n--- script\n"

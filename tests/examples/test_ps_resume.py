@@ -6,6 +6,7 @@ Small configurations (a few thousand rows, one epoch); each job takes seconds.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from helpers import run_script  # noqa: E402  (tests/helpers.py: plain python, preloaded)
+
 MINIMAL = ROOT / "examples" / "minimal_ps.py"
 WIDE_DEEP = ROOT / "examples" / "wide_and_deep" / "train.py"
 
@@ -25,11 +29,13 @@ pytestmark = pytest.mark.skipif(
 
 def _run(cwd: Path, servers: int, workers: int, script: Path, *args: str) -> str:
     """The job's stdout; ``servers == 0``: plain ``python`` (one process, no servers)."""
-    launcher = ([sys.executable] if servers == 0 else
-                [sys.executable, "-m", "fleetx.launch", "--server_num", str(servers),
-                 "--worker_num", str(workers), "--log_dir", str(cwd / "log")])
-    res = subprocess.run([*launcher, str(script), *args], cwd=cwd, capture_output=True,
-                         text=True, timeout=300)
+    if servers == 0:
+        res = run_script([str(script), *args], cwd, dict(os.environ), timeout=300)
+    else:
+        res = subprocess.run([sys.executable, "-m", "fleetx.launch", "--server_num",
+                              str(servers), "--worker_num", str(workers), "--log_dir",
+                              str(cwd / "log"), str(script), *args],
+                             cwd=cwd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout
 

@@ -19,7 +19,7 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
-from helpers import free_ports  # noqa: E402  (tests/helpers.py)
+from helpers import Script, free_ports  # noqa: E402  (tests/helpers.py)
 
 SCRIPT = HERE / "ps_fleet_train.py"
 VOCAB, TAGS, DIM, NDENSE, BATCH = 40, 25, 4, 3, 16
@@ -81,7 +81,7 @@ def snapshot(emb, tags, mlp) -> dict:
 def start_job(out: Path, servers: int, workers: int, *args: str, extra_env=None,
               script: Path = SCRIPT) -> list:
     """Start every role of a job (servers first) running ``script``; returns
-    ``[(name, Popen)]``."""
+    ``[(name, Script)]`` (a Popen-like process, see tests/helpers.py)."""
     ports = free_ports(servers + workers)
     server_eps = [f"127.0.0.1:{p}" for p in ports[:servers]]
     worker_eps = [f"127.0.0.1:{p}" for p in ports[servers:]]
@@ -101,9 +101,9 @@ def start_job(out: Path, servers: int, workers: int, *args: str, extra_env=None,
     return procs
 
 
-def _spawn(env: dict, out: Path, args, script: Path = SCRIPT) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(script), "--out", str(out), *args], env=env,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _spawn(env: dict, out: Path, args, script: Path = SCRIPT) -> Script:
+    # ``python script --out ...``, forked from the server that imported torch and fleetx once
+    return Script([str(script), "--out", str(out), *args], ROOT, env, merged=True)
 
 
 def finish(procs, timeout: float = 120.0) -> dict:

@@ -18,6 +18,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import wire_bytes as wb  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import free_ports  # noqa: E402  (tests/helpers.py)
+
 WORLD = 3
 ELEMENTS = 65_536  # 256 KiB of float32
 
@@ -56,7 +59,7 @@ def _raw_rank(rank: int, world: int, ports: tuple, out: str) -> None:
 
 def test_socket_count_matches_ring_formulas_for_raw_collectives():
     with tempfile.TemporaryDirectory() as out:
-        wb.start_processes(_raw_rank, args=(WORLD, (wb.free_port(), wb.free_port()), out),
+        wb.start_processes(_raw_rank, args=(WORLD, tuple(free_ports(2)), out),
                            nprocs=WORLD, start_method="spawn")
         ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(WORLD)]
     nbytes = 4 * ELEMENTS

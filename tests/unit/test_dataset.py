@@ -364,7 +364,11 @@ def test_a_slow_generator_streams_and_stops(tmp_path, kind):
         sleeper = descendants("sleep")
     assert len(sleeper) == 1 and time.monotonic() - start < 20
     stream.close()  # the reader waits on a silent command: closing kills it
-    assert time.monotonic() - start < 30 and not alive(sleeper[0])
+    # SIGKILL is sent by the time close returns; the kernel ends the process a moment later
+    # (on a loaded machine, when it is next scheduled)
+    while alive(sleeper[0]) and time.monotonic() - start < 30:
+        time.sleep(0.05)
+    assert not alive(sleeper[0])
 
 
 def test_a_reader_process_that_dies_is_named(tmp_path):

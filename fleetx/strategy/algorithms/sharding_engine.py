@@ -21,18 +21,19 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fleetx.comm.api import CommError
 from fleetx.strategy.api import StrategyError
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["ShardRecord", "sharding_units", "shard_in_place", "eval_guard", "rebound_optimizer",
            "zero_optimizer", "sharding_group"]
@@ -140,6 +141,8 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
                 f"{record.mesh_shape} mesh and is now asked for stage {stage} over "
                 f"{tuple(mesh_shape)}; sharding cannot be undone: wrap a fresh model")
         return record
+    from torch.distributed.fsdp import fully_shard  # on use, as ZeroRedundancyOptimizer
+
     record = ShardRecord(stage, tuple(mesh_shape))
     for name, p in model.named_parameters():
         record.names[p] = name
@@ -295,7 +298,8 @@ def sharding_group(groups: list[list[int]], rank: int) -> Any:
     return _GROUPS[key]
 
 
-def zero_optimizer(optimizer: torch.optim.Optimizer, group: Optional[Any]) -> ZeroRedundancyOptimizer:
+def zero_optimizer(optimizer: torch.optim.Optimizer,
+                   group: Optional[Any]) -> "ZeroRedundancyOptimizer":
     """A ``ZeroRedundancyOptimizer`` over ``group`` with ``optimizer``'s class, parameter groups
     and defaults (built once per user optimizer; a re-plan reuses it).
 
@@ -306,6 +310,10 @@ def zero_optimizer(optimizer: torch.optim.Optimizer, group: Optional[Any]) -> Ze
     Raises:
         StrategyError: the user's optimizer already holds state.
     """
+    # the engines are imported when a plan shards, not with fleetx: a process that never
+    # shards does not pay for them at start-up
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     groups = [dict(g) for g in optimizer.param_groups]
     key = ("zero", id(group), tuple(id(p) for g in groups for p in g["params"]))
     return _cached(optimizer, key, lambda: ZeroRedundancyOptimizer(
