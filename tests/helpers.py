@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib.util
 import json
 import multiprocessing
 import os
@@ -99,6 +100,9 @@ class Done:
 #: what the fork server of :func:`preloaded` imports once, so the processes it forks start with
 #: torch and fleetx loaded (a fresh interpreter spends about three CPU seconds importing them)
 PRELOAD = ["torch", "torch.distributed", "fleetx.fleet", "fleetx.parallel", "fleetx.metrics"]
+# the Hugging Face models the tests build (tests/hf_models.py), about four CPU seconds to import
+if importlib.util.find_spec("transformers") is not None:
+    PRELOAD += ["transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
 
 
 def preloaded():
