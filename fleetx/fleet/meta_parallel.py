@@ -20,6 +20,10 @@ from fleetx.parallel import ShardedClassifier  # noqa: E402
 
 __all__ += ["ShardedClassifier"]
 
+from fleetx.parallel.tp_plan import PlanError, full_state_dict, parallelize  # noqa: E402
+
+__all__ += ["parallelize", "full_state_dict", "PlanError"]
+
 from fleetx.parallel.api import PipelineError  # noqa: E402
 from fleetx.parallel.pipeline import LayerDesc, PipelineLayer, SharedLayerDesc  # noqa: E402
 from fleetx.parallel.pipeline_parallel import PipelineParallel  # noqa: E402

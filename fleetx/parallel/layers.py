@@ -23,6 +23,24 @@ each shard from the per-rank model-parallel generator and starts biases at zero 
 ``from_linear`` / ``from_embedding`` copy the shard of an existing unsplit layer and draw
 nothing.
 
+How a layer is split (the contract a consolidator such as ``fleet.export_model`` reads): every
+layer has ``split_dims``, a dict from each parameter name to the dimension of the full tensor
+it is split along (``None``: the parameter is whole on every rank), ``full_shapes`` (the same
+names to the unsplit shapes), ``model_parallel_group`` (the process group), ``world_size`` and
+``rank``. Rank ``r`` of the group holds chunk ``r`` of ``world_size`` equal, contiguous chunks
+along that dimension, so the full tensor is the group's shards concatenated in group-rank order
+(:meth:`~_ShardedModule.gathered` does it). The state dict keys are those of the unsplit
+``nn.Linear`` / ``nn.Embedding`` (``weight``, ``bias``), so a model whose layers were replaced
+keeps the plain model's keys:
+
+======================== ============ ============
+layer                    ``weight``   ``bias``
+======================== ============ ============
+ColumnParallelLinear     0            0
+RowParallelLinear        1            ``None``
+VocabParallelEmbedding   0            (none)
+======================== ============ ============
+
 :func:`sharded_parameters` lists the parameters that are shards (Paddle marks them
 ``is_distributed``, a name ``torch.Tensor`` already uses for a method); the row-parallel bias,
 replicated on every rank, is not one of them.
@@ -34,6 +52,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+import torch.distributed as dist
 
 from fleetx.parallel.mp_ops import (ModelParallelGroup, copy_to_group, gather_from_group,
                                     reduce_from_group, resolve_group, shard_range,
@@ -53,6 +73,8 @@ class _ShardedModule(nn.Module):
 
     #: the names of the parameters that hold one rank's shard (the others are replicated)
     sharded_names: tuple = ()
+    #: parameter name -> the dimension of the full tensor it is split along (None: whole)
+    split_dims: dict = {}
 
     def _join(self, mp_group: Any) -> ModelParallelGroup:
         self._mp = resolve_group(mp_group, type(self).__name__)
@@ -72,6 +94,36 @@ class _ShardedModule(nn.Module):
     def rank(self) -> int:
         """This rank's index in the model-parallel group: which shard it holds."""
         return self._mp.rank
+
+    @property
+    def full_shapes(self) -> dict:
+        """Parameter name -> the shape of the unsplit tensor (the plain layer's)."""
+        shapes = {}
+        for name, dim in self.split_dims.items():
+            p = getattr(self, name)
+            if p is not None:
+                shape = list(p.shape)
+                if dim is not None:
+                    shape[dim] *= self.world_size
+                shapes[name] = torch.Size(shape)
+        return shapes
+
+    def gathered(self, name: str) -> torch.Tensor:
+        """The full, unsplit tensor of parameter ``name`` (detached): the group's shards
+        concatenated along ``split_dims[name]``. A collective: every rank of the group calls it.
+
+        Raises:
+            KeyError: ``name`` is not one of ``split_dims``.
+        """
+        if name not in self.split_dims:
+            raise KeyError(f"{type(self).__name__} has no parameter {name!r}; it has "
+                           f"{sorted(self.split_dims)}")
+        local, dim = getattr(self, name).detach(), self.split_dims[name]
+        if dim is None or self.world_size == 1:
+            return local.clone()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.model_parallel_group)
+        return torch.cat(parts, dim=dim)
 
 
 def sharded_parameters(model: nn.Module) -> list:
@@ -108,6 +160,7 @@ class ColumnParallelLinear(_ShardedModule):
     """
 
     sharded_names = ("weight", "bias")
+    split_dims = {"weight": 0, "bias": 0}
 
     def __init__(self, in_features: int, out_features: int, has_bias: bool = True,
                  gather_output: bool = True, *, mp_group: Any = None,
@@ -178,6 +231,7 @@ class RowParallelLinear(_ShardedModule):
     """
 
     sharded_names = ("weight",)
+    split_dims = {"weight": 1, "bias": None}
 
     def __init__(self, in_features: int, out_features: int, has_bias: bool = True,
                  input_is_parallel: bool = False, *, mp_group: Any = None,
@@ -238,6 +292,7 @@ class VocabParallelEmbedding(_ShardedModule):
         num_embeddings: size of the (full) vocabulary; a multiple of the group's size.
         embedding_dim: size of each embedding vector.
         mp_group: (fleetx extension) as for :class:`ColumnParallelLinear`.
+        padding_idx: as for ``nn.Embedding``: that row (held by one rank) gets no gradient.
         device, dtype: as for ``nn.Embedding``.
 
     Raises:
@@ -251,16 +306,22 @@ class VocabParallelEmbedding(_ShardedModule):
     """
 
     sharded_names = ("weight",)
+    split_dims = {"weight": 0}
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, mp_group: Any = None,
-                 device: Any = None, dtype: Optional[torch.dtype] = None) -> None:
+                 padding_idx: Optional[int] = None, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         group = self._join(mp_group)
         self._start, self._end = shard_range(num_embeddings, group, "num_embeddings",
                                              type(self).__name__)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start_index = self._start
-        self._take(nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.padding_idx = padding_idx
+        self._take(nn.Embedding(num_embeddings, embedding_dim, padding_idx=padding_idx,
+                                device=device, dtype=dtype))
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, *,
@@ -272,7 +333,8 @@ class VocabParallelEmbedding(_ShardedModule):
         """
         layer = torch.nn.utils.skip_init(
             cls, embedding.num_embeddings, embedding.embedding_dim, mp_group=mp_group,
-            device=embedding.weight.device, dtype=embedding.weight.dtype)
+            padding_idx=embedding.padding_idx, device=embedding.weight.device,
+            dtype=embedding.weight.dtype)
         layer._take(embedding)
         return layer
 
@@ -288,7 +350,10 @@ class VocabParallelEmbedding(_ShardedModule):
         local = (ids - self._start).masked_fill(outside, 0)
         # Rows this rank does not hold look up zeros (and get no gradient); the sum over the
         # group then holds each id's row exactly once.
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        pad = self.padding_idx
+        pad = pad - self._start if pad is not None and self._start <= pad < self._end else None
+        out = F.embedding(local, self.weight, padding_idx=pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_group(out, self._mp)
 
     def extra_repr(self) -> str:
