@@ -94,6 +94,37 @@ class DistributedModel(nn.Module):
         with (no_sync() if no_sync else contextlib.nullcontext()), ctx.forward_context():
             return engine(*args, **kwargs)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped model's own ``generate`` (Hugging Face ``GenerationMixin``), run in the
+        strategies' forward context (amp's autocast) without building a graph.
+
+        Data parallel leaves the model's parameters whole on every rank, so any rank may
+        generate alone. With sharded parameters (sharding stages 2 and 3) every forward gathers
+        them: every rank must call ``generate``, and ``synced_gpus`` defaults to True (as
+        transformers sets it under FSDP), so a rank whose sequences end early keeps running
+        forwards until every rank is done instead of leaving the others waiting.
+
+        Args:
+            *args, **kwargs: those of the model's ``generate``.
+
+        Raises:
+            AttributeError: the wrapped model has no ``generate`` method.
+
+        Example:
+            >>> model = fleet.distributed_model(GPT2LMHeadModel(config))
+            >>> tokens = model.generate(ids, max_new_tokens=20, do_sample=False)
+        """
+        generate = getattr(self.module, "generate", None)
+        if not callable(generate):
+            raise AttributeError(
+                f"{type(self.module).__name__} has no generate method: generate() calls the "
+                "wrapped model's own (a Hugging Face GenerationMixin model has one)")
+        if any(is_dtensor(p) for p in self.module.parameters()):
+            kwargs.setdefault("synced_gpus", True)
+        ctx = self._context_of() if self._context_of is not None else None
+        with torch.no_grad(), (ctx.forward_context() if ctx else contextlib.nullcontext()):
+            return generate(*args, **kwargs)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Run forward and backward without synchronising gradients (accumulate locally)."""
