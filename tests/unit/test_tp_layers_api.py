@@ -2,7 +2,7 @@
 
 The signatures are the documented API (docs/model_parallel.md): Paddle's argument order minus
 ``weight_attr`` / ``name``, with fleetx's keyword-only ``mp_group`` (and ``device`` / ``dtype``,
-as for ``nn.Linear``). On one process without ``torch.distributed`` the hybrid group's model
+as for ``nn.Linear``; the embedding's ``padding_idx`` as for ``nn.Embedding``). On one process without ``torch.distributed`` the hybrid group's model
 group is None: the layers are the unsplit layers, built from the same seed.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ SIGNATURES = {
                             "mp_group=None, device=None, dtype=None)",
     "RowParallelLinear": "(in_features, out_features, has_bias=True, input_is_parallel=False, *, "
                          "mp_group=None, device=None, dtype=None)",
-    "VocabParallelEmbedding": "(num_embeddings, embedding_dim, *, mp_group=None, device=None, "
-                              "dtype=None)",
+    "VocabParallelEmbedding": "(num_embeddings, embedding_dim, *, mp_group=None, "
+                              "padding_idx=None, device=None, dtype=None)",
     "ParallelCrossEntropy": "(*, mp_group=None)",
 }
 
