@@ -80,6 +80,7 @@ class ModelInfo:
     module_names: tuple[str, ...] = ()  # qualified names of every sub-module (named_modules)
     param_bytes: tuple[int, ...] = ()  # bytes of each parameter (numel * element size)
     trainable: tuple[bool, ...] = ()  # whether each parameter requires a gradient
+    module_classes: tuple[str, ...] = ()  # class name of each entry of module_names
 
     @property
     def numel(self) -> int:
@@ -90,6 +91,7 @@ class ModelInfo:
         if model is None:
             return cls()
         names, numels, sparse, modules, sizes, trainable = [], [], [], [], [], []
+        classes = []
         for name, p in model.named_parameters():
             names.append(name)
             numels.append(p.numel())
@@ -97,10 +99,11 @@ class ModelInfo:
             trainable.append(p.requires_grad)
         for name, m in model.named_modules():
             modules.append(name)
+            classes.append(type(m).__name__)
             if getattr(m, "sparse", False) is True:
                 sparse.append(name)
         return cls(tuple(names), tuple(numels), tuple(sparse), tuple(modules), tuple(sizes),
-                   tuple(trainable))
+                   tuple(trainable), tuple(classes))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ In float64 with Adam (a formula, so 1e-9), 2 processes each on half of every bat
 parameters of 1 plain process trained on the union batches: data parallel (with and without
 ``find_unused_parameters``), sharding stages 1, 2 and 3 (Adam, not AdamW: stage 1 with AdamW is
 refused by torch 2.13's AdamW today), gradient merge (1 process on the union of the merged
-micro-batches), recompute by qualified names (each block's MLP then runs twice per step),
+micro-batches), recompute by class (GPT-2's ``GPT2Block``) or by a glob of names (Llama's ``model.layers.*``;
+each block's MLP then runs twice per step),
 ``auto``, and ``save_checkpoint`` / ``load_checkpoint`` (resumed in a fresh fleet from other
 initial weights, then trained on: the uninterrupted run). Local SGD (``k_steps=2``) equals two
 replicas in one process whose parameters are averaged every 2 steps. DGC before its
@@ -36,9 +37,9 @@ from spawn import max_diff, run_and_load  # noqa: E402
 
 WORLD, B, STEPS, LR, MU = 2, 2, 3, 1e-2, 0.9
 NEW = 5  # tokens generated
-MODELS = {  # the factory and the qualified names recompute is given
-    "gpt2": (hf_models.gpt2, ["transformer.h.0", "transformer.h.1"]),
-    "llama": (hf_models.llama, ["model.layers.0", "model.layers.1"]),
+MODELS = {  # the factory, what recompute is given (a class, a glob), a block it selects
+    "gpt2": (hf_models.gpt2, ["GPT2Block"], "transformer.h.0"),
+    "llama": (hf_models.llama, ["model.layers.*"], "model.layers.1"),
 }
 F64_CASES = {  # name: (strategy switches, micro-batches per step)
     "dp": ({}, 1),
@@ -125,7 +126,7 @@ def _f64_cases(rank: int, name: str) -> dict:
             switches = dict(switches, recompute_configs={"checkpoints": MODELS[name][1]})
         model, opt = build(fleet, name, switches, lambda p: torch.optim.Adam(p, lr=LR))
         # the block's MLP: its call runs inside the checkpointed forward, so once per forward
-        block = model.get_submodule(MODELS[name][1][0] + ".mlp")
+        block = model.get_submodule(MODELS[name][2] + ".mlp")
         calls = []
         handle = block.register_forward_pre_hook(lambda *_: calls.append(1))
         train(model, opt, data(STEPS, k), rank)

@@ -157,8 +157,10 @@ def test_an_unknown_name_is_an_error_naming_it_and_the_closest(fleet):
     with pytest.raises(ValueError) as err:  # wrapping checks too, for a plan made without it
         checkpoint_modules(Block(4), ["fc9"])
     assert str(err.value) == ("recompute_configs['checkpoints'] names no module 'fc9' (closest: "
-                              "'fc2', 'fc1', 'act'); modules of the model "
-                              "(model.named_modules()): fc1, act, drop, fc2")
+                              "'fc2', 'fc1', 'act'); an entry is a qualified name, a glob of "
+                              "names ('blocks.*') or a class name; modules of the model "
+                              "(model.named_modules()): fc1, act, drop, fc2; classes: Linear, "
+                              "GELU, Dropout")
 
 
 def test_the_planner_checks_names_only_when_it_knows_the_model():

@@ -9,11 +9,15 @@ without recompute.
 
 How Paddle's settings map: Paddle cuts the static graph at checkpoint *variables*; a PyTorch
 model has no variable names, so ``recompute_configs["checkpoints"]`` lists qualified names of
-sub-modules as ``model.named_modules()`` spells them (``"blocks.0"``, ``"encoder.layers.3"``).
-Each one's forward is replaced, on the instance, by a checkpointed call of its class's forward
-(parameters, buffers and ``state_dict`` keys are unchanged). A name that matches no module is an
-error naming it and the closest names. ``enable_offload`` (keep the kept inputs in host memory
-on GPU) and ``checkpoint_shape`` (Paddle's common shape of offloaded checkpoints) are accepted
+sub-modules as ``model.named_modules()`` spells them (``"blocks.0"``, ``"encoder.layers.3"``),
+globs of those names where ``*`` is one name between dots (``"model.layers.*"``), or class names
+(``"GPT2Block"``: every module of that class); a module inside another selected one is not
+checkpointed twice. Each selected module's forward is replaced, on the instance, by a
+checkpointed call of its class's forward (parameters, buffers and ``state_dict`` keys are
+unchanged). An entry that selects no module is an
+error naming it and the closest names and classes; a model whose own gradient checkpointing is
+on (Hugging Face's ``gradient_checkpointing_enable()``) is refused, not checkpointed twice.
+``enable_offload`` (keep the kept inputs in host memory on GPU) and ``checkpoint_shape`` (Paddle's common shape of offloaded checkpoints) are accepted
 and declared without effect: on CPU the inputs are in host memory already; GPU offload is not
 implemented.
 
@@ -23,6 +27,7 @@ The functional form of Paddle 2.2, ``fleet.utils.recompute(function, *args, **kw
 from __future__ import annotations
 
 import difflib
+import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -36,7 +41,7 @@ from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verd
 from fleetx.strategy.config import Config, option
 
 __all__ = ["RecomputeConfig", "RecomputeStrategy", "recompute", "checkpoint_modules",
-           "unknown_modules"]
+           "select_modules", "own_checkpointing"]
 
 
 @dataclass
@@ -51,8 +56,9 @@ class RecomputeConfig(Config):
     section = "recompute_configs"
 
     checkpoints: list[str] = option(
-        [], "Qualified names of sub-modules (as in model.named_modules()) recomputed in "
-            "backward; empty disables recompute.")
+        [], "Sub-modules recomputed in backward: qualified names (as in model.named_modules()), "
+            "globs of names where * is one name ('model.layers.*') or class names "
+            "('GPT2Block'); empty disables recompute.")
     enable_offload: bool = option(
         False, "Also move the kept inputs to host memory.",
         no_effect="offload is not implemented: on CPU the kept inputs are in host memory "
@@ -106,48 +112,143 @@ class _RecomputedForward:
                                            preserve_rng_state=True, **kwargs)
 
 
-def unknown_modules(known: Sequence[str], names: Sequence[str]) -> str:
-    """An error text for the ``names`` not among the module names ``known``; ``""`` if none.
+_GLOB_CHARS = frozenset("*?[")
+
+
+def _is_glob(entry: str) -> bool:
+    return any(ch in _GLOB_CHARS for ch in entry)
+
+
+def _glob_matches(pattern: str, name: str) -> bool:
+    """Whether ``name`` matches ``pattern`` segment by segment: ``*`` stands for one name
+    between dots, so ``"model.layers.*"`` selects the layers, not the modules inside them."""
+    parts, segments = pattern.split("."), name.split(".")
+    return len(parts) == len(segments) and all(
+        fnmatch.fnmatchcase(seg, part) for part, seg in zip(parts, segments))
+
+
+def _matches(entry: str, names: Sequence[str], classes: Sequence[str]) -> list[str]:
+    """The qualified names one entry selects: itself, its glob's matches, or its class's
+    modules (in that order of precedence)."""
+    if entry in names:
+        return [entry]
+    if _is_glob(entry):
+        return [name for name in names if _glob_matches(entry, name)]
+    return [name for name, cls in zip(names, classes) if cls == entry]
+
+
+def _outermost(selected: set[str], names: Sequence[str]) -> list[str]:
+    """The selected names in model order, without those inside another selected module (a
+    checkpoint inside a checkpoint would run its forward three times)."""
+    return [name for name in names if name in selected
+            and not any(name.startswith(other + ".") for other in selected)]
+
+
+def _closest(entry: str, names: Sequence[str], classes: Sequence[str]) -> list[str]:
+    # A name from another nesting ("blocks.1" for "1", "1" for "encoder.1") is the likely
+    # slip; spelling neighbours among names and classes come after.
+    stem = entry.replace("*", "")
+    close = [k for k in names if entry.endswith("." + k) or k.endswith("." + entry)]
+    close += [c for c in difflib.get_close_matches(stem, list(names) + sorted(set(classes)),
+                                                   n=3, cutoff=0.3) if c not in close]
+    return close[:3]
+
+
+def select_modules(names: Sequence[str], classes: Sequence[str],
+                   entries: Sequence[str]) -> tuple[list[str], str]:
+    """The qualified names ``recompute_configs['checkpoints']`` selects, and an error text.
+
+    Args:
+        names: every sub-module's qualified name (``model.named_modules()``).
+        classes: each one's class name, in the same order (may be empty: names only).
+        entries: qualified names (``"blocks.3"``), globs over names, where ``*`` is one name
+            between dots (``"model.layers.*"``), or class names (``"GPT2Block"``).
+
+    Returns:
+        The selected modules in model order, outermost only, and ``""``, or ``[]`` and a text
+        naming each entry that selects nothing with its closest names and classes.
 
     Example:
-        >>> unknown_modules(["0", "1"], ["3"])
-        "recompute_configs['checkpoints'] names no module '3' (closest: none); modules of ..."
+        >>> select_modules(["", "h", "h.0", "h.1"], ["Net", "ModuleList", "Block", "Block"],
+        ...                ["Block"])
+        (['h.0', 'h.1'], '')
     """
-    known = [name for name in known if name]
-    present = set(known)
-    missing = [name for name in names if name not in present]
+    pairs = [(n, c) for n, c in zip(names, list(classes) or [""] * len(names)) if n]
+    names = [n for n, _ in pairs]
+    classes = [c for _, c in pairs]
+    selected: set[str] = set()
+    missing = []
+    for entry in entries:
+        found = _matches(entry, names, classes)
+        if not found:
+            missing.append(entry)
+        selected.update(found)
     if not missing:
-        return ""
+        return _outermost(selected, names), ""
     parts = []
-    for name in missing:
-        # A name from another nesting ("blocks.1" for "1", "1" for "encoder.1") is the likely
-        # slip; spelling neighbours come after.
-        close = [k for k in known if name.endswith("." + k) or k.endswith("." + name)]
-        close += [c for c in difflib.get_close_matches(name, known, n=3, cutoff=0.3)
-                  if c not in close]
-        close = close[:3]
-        parts.append(f"{name!r} (closest: {', '.join(repr(c) for c in close) or 'none'})")
-    listed = ", ".join(known[:12]) + (", ..." if len(known) > 12 else "")
-    return (f"recompute_configs['checkpoints'] names no module {'; '.join(parts)}; modules of "
-            f"the model (model.named_modules()): {listed or 'none'}")
+    for entry in missing:
+        close = ", ".join(repr(c) for c in _closest(entry, names, classes))
+        parts.append(f"{entry!r} (closest: {close or 'none'})")
+    listed = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+    kinds = list(dict.fromkeys(c for c in classes if c))
+    kinds_listed = ", ".join(kinds[:12]) + (", ..." if len(kinds) > 12 else "")
+    return [], (f"recompute_configs['checkpoints'] names no module {'; '.join(parts)}; an entry "
+                f"is a qualified name, a glob of names ('blocks.*') or a class name; modules of "
+                f"the model (model.named_modules()): {listed or 'none'}"
+                + (f"; classes: {kinds_listed}" if kinds else ""))
 
 
-def checkpoint_modules(model: nn.Module, names: Sequence[str]) -> nn.Module:
-    """Make each named sub-module of ``model`` recompute its forward in backward; returns
-    ``model`` (changed in place; a module already recomputed is left as it is).
+def own_checkpointing(model: nn.Module) -> str:
+    """The qualified name of a module whose own gradient checkpointing is on (a Hugging Face
+    model's ``activation_checkpointing_enable()``, ``gradient_checkpointing_enable()`` before
+    transformers 5, sets ``gradient_checkpointing = True`` on the modules that run it), or
+    ``""``."""
+    for name, module in model.named_modules():
+        if module.__dict__.get("gradient_checkpointing") is True:
+            return name or type(model).__name__
+    return ""
+
+
+def checkpoint_modules(model: nn.Module, entries: Sequence[str]) -> nn.Module:
+    """Make each sub-module of ``model`` that ``entries`` select recompute its forward in
+    backward; returns ``model`` (changed in place; a module already recomputed is left as it is).
+
+    Args:
+        model: the plain model.
+        entries: qualified names, globs of names or class names (see :func:`select_modules`).
 
     Raises:
-        ValueError: a name matches no sub-module (the message names the closest ones).
+        ValueError: an entry selects no sub-module (the message names the closest names and
+            classes), or the model's own gradient checkpointing is on (two checkpoints of one
+            block would run its forward three times).
+
+    Example:
+        >>> net = checkpoint_modules(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), ["Linear"])
+        >>> [type(m.__dict__.get("forward")).__name__ for m in net]
+        ['_RecomputedForward', '_RecomputedForward']
     """
-    error = unknown_modules([name for name, _ in model.named_modules()], names)
+    modules = dict(model.named_modules())
+    chosen, error = select_modules(list(modules), [type(m).__name__ for m in modules.values()],
+                                   entries)
     if error:
         raise ValueError(error)
-    modules = dict(model.named_modules())
-    for name in names:
+    owner = own_checkpointing(model)
+    if owner:
+        raise ValueError(
+            f"the model's own gradient checkpointing is on ({owner}.gradient_checkpointing is "
+            f"True) and strategy.recompute would checkpoint the same blocks again; use one: "
+            f"call model.activation_checkpointing_disable() (gradient_checkpointing_disable() "
+            f"before transformers 5) before fleet.distributed_model, or set "
+            f"strategy.recompute = False")
+    for name in chosen:
         module = modules[name]
         if not isinstance(module.__dict__.get("forward"), _RecomputedForward):
             module.forward = _RecomputedForward(module)
     return model
+
+
+def _summary(chosen: Sequence[str]) -> str:
+    return ", ".join(chosen[:8]) + (f", ... ({len(chosen) - 8} more)" if len(chosen) > 8 else "")
 
 
 @register
@@ -169,11 +270,15 @@ class RecomputeStrategy(Strategy):
         if not names:
             return Verdict.skip("recompute_configs['checkpoints'] is empty: no module to "
                                 "recompute", warn=True)
-        error = unknown_modules(plan_input.model.module_names, names)
-        if error and plan_input.model.module_names:  # without the model, checked at wrap time
+        model = plan_input.model
+        if not model.module_names:  # without the model, checked at wrap time
+            return Verdict.ok(f"torch.utils.checkpoint (non-reentrant, RNG preserved) around "
+                              f"the modules {', '.join(names)} select")
+        chosen, error = select_modules(model.module_names, model.module_classes, names)
+        if error:
             return Verdict.fail(error)
         return Verdict.ok(f"torch.utils.checkpoint (non-reentrant, RNG preserved) around "
-                          f"{len(names)} module(s): {', '.join(names)}")
+                          f"{len(chosen)} module(s): {_summary(chosen)}")
 
     def apply(self, ctx: TrainingContext) -> None:
         names = list(self.strategy.typed_config("recompute").checkpoints)
