@@ -1,0 +1,416 @@
+"""One consolidated file of a trained model's weights, under the plain model's keys, from any
+layout (``fleet.export_model``, ``DistributedModel.save_pretrained``).
+
+What every rank holds is put back together in three steps, all collectives:
+
+* each tensor is made full where it lives: a ``DTensor`` shard (sharding stages 2 and 3) by
+  ``full_tensor()``, a tensor-parallel shard by an all-gather along the dimension its layer
+  splits (:func:`split_rules`: one small function per layer class), a replicated tensor as it is;
+* the keys are those of ``module.state_dict()`` (a pipeline stage's are the global indexes of
+  the unsplit ``nn.Sequential``), and the lowest rank that holds a key sends it to rank 0;
+* rank 0 writes the file atomically (a temporary name in the same folder, flushed to disk,
+  renamed into place) and tells the others it is done, or what went wrong (every rank raises).
+
+Ties (a weight used at two places, such as GPT-2's embedding and head, or a pipeline's
+``SharedLayerDesc``) are found by identity in the module and, across pipeline stages, from the
+pipeline's description. ``torch`` files keep them as one shared tensor, as ``torch.save`` of
+the plain model does. safetensors refuses shared tensors, so a tie is written once, as
+Hugging Face does: the key its ``_tied_weights_keys`` lists (or, without one, every alias after
+the first in key order) is left out; ``safetensors.torch.load_model(model, file)`` (strict) and
+``from_pretrained`` re-tie it.
+
+A Hugging Face model (a ``transformers.PreTrainedModel``, recognised only if transformers is
+already imported) is exported as the directory ``from_pretrained`` reads: ``config.json``,
+``generation_config.json`` when the model generates, and ``model.safetensors`` (or
+``pytorch_model.bin``). Any other model is exported as one file at ``path``.
+
+Example:
+    >>> export_model(plain_or_sharded_module, "model.safetensors")          # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import copy
+import os
+import secrets
+import shutil
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fleetx.comm.api import check_call
+from fleetx.parallel.api import is_dtensor
+
+__all__ = ["export_model", "consolidate", "check_format", "split_rules", "FORMATS",
+           "is_hugging_face"]
+
+#: format -> the weights file's name inside a Hugging Face directory
+FORMATS = {"safetensors": "model.safetensors", "torch": "pytorch_model.bin"}
+
+
+# -- tensor-parallel layers: how each splits its parameters --------------------------------------
+def _column_split(layer: nn.Module) -> dict:
+    return {"weight": 0, "bias": 0}  # output features: rows of the weight, the bias
+
+
+def _row_split(layer: nn.Module) -> dict:
+    return {"weight": 1}  # input features: columns of the weight; the bias is replicated
+
+
+def _vocab_split(layer: nn.Module) -> dict:
+    return {"weight": 0}  # rows of the table
+
+
+def split_rules() -> list:
+    """The tensor-parallel layers an export knows, as (layer class, rule) pairs: ``rule(layer)``
+    maps each of the layer's sharded parameters to the dimension its shards are cut along
+    (subclasses follow their base's rule). The layers are imported at the first export."""
+    from fleetx.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                        VocabParallelEmbedding)
+    return [(ColumnParallelLinear, _column_split), (RowParallelLinear, _row_split),
+            (VocabParallelEmbedding, _vocab_split)]
+
+
+
+def _split_dims(module: nn.Module) -> dict:
+    """id(parameter) -> (process group, group size, dimension) of every tensor-parallel shard.
+
+    Raises:
+        TypeError: a tensor-parallel layer of a class no rule knows (its shards would be
+            written as if whole).
+    """
+    rules = split_rules()
+    found: dict = {}
+    for layer in module.modules():
+        rule = next((r for cls, r in rules if isinstance(layer, cls)), None)
+        if rule is None:
+            if getattr(layer, "sharded_names", ()):
+                raise TypeError(f"export: no rule says how {type(layer).__name__} splits its "
+                                f"parameters {layer.sharded_names}; known layers: "
+                                f"{[cls.__name__ for cls, _ in rules]}")
+            continue
+        for name, dim in rule(layer).items():
+            param = getattr(layer, name, None)
+            if param is not None and layer.world_size > 1:
+                found[id(param)] = (layer.model_parallel_group, layer.world_size, dim)
+    return found
+
+
+def _gather_along(t: torch.Tensor, group: Any, size: int, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def _full(value: Any, split: Optional[tuple]) -> Any:
+    """The whole tensor behind this rank's ``value`` (a collective for shards)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    with torch.no_grad():
+        t = value.detach()
+        if is_dtensor(t):
+            t = t.full_tensor()
+        return t if split is None else _gather_along(t, *split)
+
+
+def _on_cpu(t: Any) -> Any:
+    """A CPU tensor that owns exactly its storage (a view of a larger buffer would make
+    safetensors refuse it and torch.save write the whole buffer)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach().to("cpu")
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole and t.is_contiguous() else t.contiguous().clone()
+
+
+# -- ties ----------------------------------------------------------------------------------------
+def _identity(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor) or is_dtensor(t) or t.numel() == 0:
+        return id(t)  # a tied parameter is one object; empty tensors share no data
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            tuple(t.stride()), t.dtype)
+
+
+def _local_ties(entries: dict) -> list:
+    """Keys of ``entries`` that name one tensor, in groups of two or more (key order)."""
+    groups: dict = {}
+    for key, value in entries.items():
+        groups.setdefault(_identity(value), []).append(key)
+    return [keys for keys in groups.values() if len(keys) > 1]
+
+
+def _pipeline_ties(module: nn.Module) -> list:
+    """The places of each ``SharedLayerDesc`` of the pipelines in ``module``, as groups of keys
+    of the unsplit model (a stage knows the places it does not hold from the description)."""
+    from fleetx.parallel.pipeline import PipelineLayer, SharedLayerDesc  # loaded if used
+    groups = []
+    for prefix, stage in module.named_modules():
+        if not isinstance(stage, PipelineLayer):
+            continue
+        places: dict = {}
+        for index, item in enumerate(stage.layer_list):
+            if isinstance(item, SharedLayerDesc):
+                places.setdefault(item.layer_name, []).append(index)
+        head = f"{prefix}." if prefix else ""
+        for name, indexes in places.items():
+            layer = stage._shared.get(name)
+            if layer is None or len(indexes) < 2:
+                continue
+            for key in layer.state_dict():
+                groups.append([f"{head}{i}.{key}" for i in indexes])
+    return groups
+
+
+def _merged_ties(groups: list, order: dict) -> list:
+    """Overlapping groups joined; each group's keys in ``order``."""
+    merged: list[set] = []
+    for group in groups:
+        joined = set(group)
+        for other in [m for m in merged if m & joined]:
+            joined |= other
+            merged.remove(other)
+        merged.append(joined)
+    return [sorted(m, key=lambda k: order.get(k, len(order))) for m in merged]
+
+
+def _kept(group: list, listed: set) -> str:
+    """The key a tie is written under in safetensors: the first not listed as a tied copy."""
+    return next((k for k in group if k not in listed), group[0])
+
+
+def _listed_tied_keys(module: nn.Module) -> set:
+    listed = getattr(module, "_tied_weights_keys", None) or ()
+    return set(listed)  # a list (transformers 4) or {copy: source} (transformers 5)
+
+
+# -- the collective ------------------------------------------------------------------------------
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _enter_collective(what: str) -> None:
+    """The first step of an export on every rank, before it communicates: where the check that
+    every rank made the same call is made (with ``FLEETX_DEBUG_COLLECTIVES=1``, through
+    :func:`fleetx.comm.api.check_call`)."""
+    if _world()[1] > 1:
+        check_call(what, dist.group.WORLD, [])
+
+
+def consolidate(module: nn.Module) -> tuple[dict, list]:
+    """The full state of ``module`` on rank 0 (every rank calls; a collective).
+
+    Returns:
+        (state, ties): on rank 0 every key of the unsplit model's ``state_dict`` with a full CPU
+        tensor (the keys of one tie share it) and the groups of tied keys; ``({}, [])``
+        elsewhere.
+    """
+    rank, world = _world()
+    entries = module.state_dict(keep_vars=True)
+    ties = _local_ties(entries) + _pipeline_ties(module)
+    known = [None] * world
+    if world > 1:
+        dist.all_gather_object(known, (list(entries), ties))
+    else:
+        known = [(list(entries), ties)]
+    owner: dict = {}
+    for r, (keys, _) in enumerate(known):
+        for key in keys:
+            owner.setdefault(key, r)
+    splits, done, mine = _split_dims(module), {}, {}
+    for key, value in entries.items():
+        ident = _identity(value)
+        if ident not in done:  # an alias is gathered once
+            full = _full(value, splits.get(id(value)))
+            done[ident] = _on_cpu(full) if owner[key] == rank else None
+        if owner[key] == rank:
+            mine[key] = done[ident]
+    return _assemble(rank, world, mine, known, module)
+
+
+def _assemble(rank: int, world: int, mine: dict, known: list, module: nn.Module) -> tuple:
+    parts = [None] * world if rank == 0 else None
+    if world > 1:
+        dist.gather_object(mine, parts, dst=0)
+    else:
+        parts = [mine]
+    if rank != 0:
+        return {}, []
+    order: dict = {}
+    for keys, _ in known:
+        for key in keys:
+            order.setdefault(key, len(order))
+    state = {}
+    for part in parts:
+        state.update(part)
+    state = {key: state[key] for key in order}
+    ties = _merged_ties([g for _, groups in known for g in groups], order)
+    for group in ties:  # one tensor for every key of a tie (pipeline stages sent copies)
+        for key in group[1:]:
+            state[key] = state[group[0]]
+    return state, ties
+
+
+def _finish(error: Optional[BaseException]) -> None:
+    """Rank 0 tells every rank that the file is written, or what went wrong (a barrier)."""
+    rank, world = _world()
+    if world > 1:
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(box, src=0)
+        if rank != 0 and box[0] is not None:
+            raise RuntimeError(f"export failed on rank 0, which writes the file: {box[0]}")
+    if error is not None:
+        raise error
+
+
+# -- writing -------------------------------------------------------------------------------------
+def is_hugging_face(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers.PreTrainedModel`` (without importing
+    transformers: a model of that class cannot exist before it is imported)."""
+    tf = sys.modules.get("transformers")
+    base = getattr(tf, "PreTrainedModel", None) if tf is not None else None
+    return base is not None and isinstance(module, base)
+
+
+def _temp_name(folder: str, name: str) -> str:
+    return os.path.join(folder, f".{name}.fleetx-tmp-{secrets.token_hex(4)}")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tensors_for(state: dict, ties: list, fmt: str, listed: set) -> dict:
+    if fmt == "torch":
+        return state
+    dropped = {k for group in ties for k in group if k != _kept(group, listed)}
+    out = {}
+    for key, value in state.items():
+        if key in dropped:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"export: state_dict key {key!r} holds a {type(value).__name__}, "
+                            f"not a tensor; safetensors stores tensors only: use "
+                            f"format='torch'")
+        out[key] = value
+    return out
+
+
+def _write_weights(tensors: dict, fmt: str, target: str) -> None:
+    """Write ``tensors`` to a temporary name beside ``target``, flush it to disk, rename."""
+    folder = os.path.dirname(os.path.abspath(target))
+    temp = _temp_name(folder, os.path.basename(target))
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+            # "format": "pt" is what from_pretrained requires of a safetensors archive
+            save_file(tensors, temp, metadata={"format": "pt"})
+        else:
+            torch.save(tensors, temp)
+        _fsync(temp)
+        os.replace(temp, target)
+    finally:
+        if os.path.exists(temp):
+            os.remove(temp)
+    _fsync(folder)
+
+
+def _write_file(path: str, tensors: dict, fmt: str) -> str:
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"export: {path!r} is a directory; a model that is not a "
+                                f"Hugging Face PreTrainedModel is exported as one file: "
+                                f"give the file's path")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    _write_weights(tensors, fmt, path)
+    return path
+
+
+def _write_hf_dir(path: str, module: nn.Module, tensors: dict, fmt: str) -> str:
+    """The files of ``from_pretrained`` in a staging folder beside ``path``; then the folder is
+    renamed into place, or (``path`` exists: it may hold a tokenizer) each file renamed into
+    it, the weights last."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"export: {path!r} is a file; a Hugging Face model is exported "
+                                 f"as the directory from_pretrained reads: give a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    staging = _temp_name(parent, os.path.basename(os.path.abspath(path)))
+    os.makedirs(staging)
+    try:
+        names = _stage_hf_files(staging, module, tensors, fmt)
+        if not os.path.exists(path):
+            os.rename(staging, path)
+        else:
+            for name in names:  # the weights are the last name
+                os.replace(os.path.join(staging, name), os.path.join(path, name))
+        _fsync(path)
+        _fsync(parent)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return os.path.join(path, FORMATS[fmt])
+
+
+def _stage_hf_files(staging: str, module: nn.Module, tensors: dict, fmt: str) -> list:
+    config = copy.deepcopy(module.config)
+    config.architectures = [type(module).__name__]  # what save_pretrained records
+    config.save_pretrained(staging)
+    names = ["config.json"]
+    generation = getattr(module, "generation_config", None)
+    if generation is not None and module.can_generate():
+        generation.save_pretrained(staging)
+        names.append("generation_config.json")
+    for name in names:
+        _fsync(os.path.join(staging, name))
+    _write_weights(tensors, fmt, os.path.join(staging, FORMATS[fmt]))
+    return names + [FORMATS[fmt]]
+
+
+def check_format(fmt: Any) -> str:
+    """Raises: ValueError: ``fmt`` is not one of :data:`FORMATS`."""
+    if fmt not in FORMATS:
+        raise ValueError(f"export format must be one of {sorted(FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def export_model(module: nn.Module, path: str, format: str = "safetensors",
+                 what: str = "fleet.export_model") -> Optional[str]:
+    """Write the full weights of ``module`` (the user's model: plain, sharded in place, with
+    tensor-parallel layers or a pipeline stage) under its plain keys (every rank calls).
+
+    Args:
+        module: the user's module on this rank.
+        path: a Hugging Face model's directory, or any other model's file.
+        format: ``"safetensors"`` or ``"torch"``.
+        what: the call named in errors.
+
+    Returns:
+        The weights file written (on every rank).
+
+    Raises:
+        ValueError: an unknown ``format`` (before any communication).
+        IsADirectoryError, NotADirectoryError: ``path`` is not the kind the model is exported
+            as (every rank raises).
+        TypeError: a non-tensor state entry with safetensors, or a tensor-parallel layer no
+            rule in :func:`split_rules` knows.
+    """
+    fmt = check_format(format)
+    path = os.fspath(path)
+    hf = is_hugging_face(module)
+    _enter_collective(what)
+    state, ties = consolidate(module)
+    error: Optional[BaseException] = None
+    if _world()[0] == 0:
+        try:
+            tensors = _tensors_for(state, ties, fmt, _listed_tied_keys(module))
+            _write_hf_dir(path, module, tensors, fmt) if hf else _write_file(path, tensors, fmt)
+        except Exception as err:  # every rank learns of it, then raises
+            error = err
+    _finish(error)
+    return os.path.join(path, FORMATS[fmt]) if hf else path
