@@ -4,8 +4,9 @@ layout (``fleet.export_model``, ``DistributedModel.save_pretrained``).
 What every rank holds is put back together in three steps, all collectives:
 
 * each tensor is made full where it lives: a ``DTensor`` shard (sharding stages 2 and 3) by
-  ``full_tensor()``, a tensor-parallel shard by an all-gather along the dimension its layer
-  splits (:func:`split_rules`: one small function per layer class), a replicated tensor as it is;
+  ``full_tensor()``, a shard of a tensor-parallel layer by the layer's own ``gathered(name)``
+  (an all-gather over its model-parallel group along its ``split_dims``, the contract of
+  :mod:`fleetx.parallel.layers`), a replicated tensor as it is;
 * the keys are those of ``module.state_dict()`` (a pipeline stage's are the global indexes of
   the unsplit ``nn.Sequential``), and the lowest rank that holds a key sends it to rank 0;
 * rank 0 writes the file atomically (a temporary name in the same folder, flushed to disk,
@@ -43,76 +44,42 @@ from torch import nn
 from fleetx.comm.api import check_call
 from fleetx.parallel.api import is_dtensor
 
-__all__ = ["export_model", "consolidate", "check_format", "split_rules", "FORMATS",
-           "is_hugging_face"]
+__all__ = ["export_model", "consolidate", "check_format", "FORMATS", "is_hugging_face"]
 
 #: format -> the weights file's name inside a Hugging Face directory
 FORMATS = {"safetensors": "model.safetensors", "torch": "pytorch_model.bin"}
 
 
-# -- tensor-parallel layers: how each splits its parameters --------------------------------------
-def _column_split(layer: nn.Module) -> dict:
-    return {"weight": 0, "bias": 0}  # output features: rows of the weight, the bias
+# -- tensor-parallel layers ---------------------------------------------------------------------
+def _tp_shards(module: nn.Module) -> dict:
+    """id(parameter) -> (layer, name) of every tensor-parallel shard in ``module``.
 
-
-def _row_split(layer: nn.Module) -> dict:
-    return {"weight": 1}  # input features: columns of the weight; the bias is replicated
-
-
-def _vocab_split(layer: nn.Module) -> dict:
-    return {"weight": 0}  # rows of the table
-
-
-def split_rules() -> list:
-    """The tensor-parallel layers an export knows, as (layer class, rule) pairs: ``rule(layer)``
-    maps each of the layer's sharded parameters to the dimension its shards are cut along
-    (subclasses follow their base's rule). The layers are imported at the first export."""
-    from fleetx.parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                        VocabParallelEmbedding)
-    return [(ColumnParallelLinear, _column_split), (RowParallelLinear, _row_split),
-            (VocabParallelEmbedding, _vocab_split)]
-
-
-
-def _split_dims(module: nn.Module) -> dict:
-    """id(parameter) -> (process group, group size, dimension) of every tensor-parallel shard.
-
-    Raises:
-        TypeError: a tensor-parallel layer of a class no rule knows (its shards would be
-            written as if whole).
+    A layer says how it is split through the contract of :mod:`fleetx.parallel.layers`
+    (``split_dims``, and ``gathered(name)``, which puts the shards together): a layer class
+    that keeps that contract is exported whole with no change here.
     """
-    rules = split_rules()
+    from fleetx.parallel.layers import _ShardedModule  # loaded only for an export
     found: dict = {}
     for layer in module.modules():
-        rule = next((r for cls, r in rules if isinstance(layer, cls)), None)
-        if rule is None:
-            if getattr(layer, "sharded_names", ()):
-                raise TypeError(f"export: no rule says how {type(layer).__name__} splits its "
-                                f"parameters {layer.sharded_names}; known layers: "
-                                f"{[cls.__name__ for cls, _ in rules]}")
-            continue
-        for name, dim in rule(layer).items():
-            param = getattr(layer, name, None)
-            if param is not None and layer.world_size > 1:
-                found[id(param)] = (layer.model_parallel_group, layer.world_size, dim)
+        if isinstance(layer, _ShardedModule) and layer.world_size > 1:
+            for name, dim in layer.split_dims.items():
+                param = getattr(layer, name, None)
+                if param is not None and dim is not None:
+                    found[id(param)] = (layer, name)
     return found
 
 
-def _gather_along(t: torch.Tensor, group: Any, size: int, dim: int) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim)
-
-
-def _full(value: Any, split: Optional[tuple]) -> Any:
-    """The whole tensor behind this rank's ``value`` (a collective for shards)."""
+def _full(value: Any, shard: Optional[tuple]) -> Any:
+    """The whole tensor behind this rank's ``value`` (a collective for shards): a DTensor's
+    ``full_tensor()``, a tensor-parallel layer's ``gathered(name)``, or ``value`` itself."""
     if not isinstance(value, torch.Tensor):
         return value
     with torch.no_grad():
+        if shard is not None:
+            layer, name = shard
+            return layer.gathered(name)
         t = value.detach()
-        if is_dtensor(t):
-            t = t.full_tensor()
-        return t if split is None else _gather_along(t, *split)
+        return t.full_tensor() if is_dtensor(t) else t
 
 
 def _on_cpu(t: Any) -> Any:
@@ -220,11 +187,11 @@ def consolidate(module: nn.Module) -> tuple[dict, list]:
     for r, (keys, _) in enumerate(known):
         for key in keys:
             owner.setdefault(key, r)
-    splits, done, mine = _split_dims(module), {}, {}
+    shards, done, mine = _tp_shards(module), {}, {}
     for key, value in entries.items():
         ident = _identity(value)
         if ident not in done:  # an alias is gathered once
-            full = _full(value, splits.get(id(value)))
+            full = _full(value, shards.get(id(value)))
             done[ident] = _on_cpu(full) if owner[key] == rank else None
         if owner[key] == rank:
             mine[key] = done[ident]
@@ -332,13 +299,30 @@ def _write_file(path: str, tensors: dict, fmt: str) -> str:
     return path
 
 
+#: the weights files ``from_pretrained`` looks for, in its order: one that comes before the
+#: file an export writes would be read instead of it
+_HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "pytorch_model.bin.index.json")
+
+
+def _check_hf_dir(path: str, fmt: str) -> None:
+    """Raises: NotADirectoryError, FileExistsError: see :func:`export_model`."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"export: {path!r} is a file; a Hugging Face model is exported "
+                                 f"as the directory from_pretrained reads: give a directory")
+    before = _HF_WEIGHTS[:_HF_WEIGHTS.index(FORMATS[fmt])]
+    shadows = [n for n in before if os.path.exists(os.path.join(path, n))]
+    if shadows:
+        raise FileExistsError(f"export: {path!r} already holds {', '.join(shadows)}, which "
+                              f"from_pretrained reads before the {FORMATS[fmt]} written now: "
+                              f"remove it or export to another directory")
+
+
 def _write_hf_dir(path: str, module: nn.Module, tensors: dict, fmt: str) -> str:
     """The files of ``from_pretrained`` in a staging folder beside ``path``; then the folder is
     renamed into place, or (``path`` exists: it may hold a tokenizer) each file renamed into
     it, the weights last."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise NotADirectoryError(f"export: {path!r} is a file; a Hugging Face model is exported "
-                                 f"as the directory from_pretrained reads: give a directory")
+    _check_hf_dir(path, fmt)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     staging = _temp_name(parent, os.path.basename(os.path.abspath(path)))
@@ -357,9 +341,21 @@ def _write_hf_dir(path: str, module: nn.Module, tensors: dict, fmt: str) -> str:
     return os.path.join(path, FORMATS[fmt])
 
 
+def _plain_class(module: nn.Module) -> type:
+    """The model's own class: sharding stage 2/3 (FSDP2's ``fully_shard``) swaps it for a
+    subclass named ``FSDP<name>``, which ``from_pretrained`` would not find."""
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return next(c for c in type(module).__mro__ if fsdp is None or not issubclass(c, fsdp))
+
+
 def _stage_hf_files(staging: str, module: nn.Module, tensors: dict, fmt: str) -> list:
     config = copy.deepcopy(module.config)
-    config.architectures = [type(module).__name__]  # what save_pretrained records
+    # what save_pretrained records: the class from_pretrained builds, the weights' dtype
+    config.architectures = [_plain_class(module).__name__]
+    floats = [t for t in tensors.values() if isinstance(t, torch.Tensor)
+              and t.is_floating_point()]
+    if floats:
+        config.dtype = str(floats[0].dtype).split(".")[1]
     config.save_pretrained(staging)
     names = ["config.json"]
     generation = getattr(module, "generation_config", None)
@@ -397,8 +393,10 @@ def export_model(module: nn.Module, path: str, format: str = "safetensors",
         ValueError: an unknown ``format`` (before any communication).
         IsADirectoryError, NotADirectoryError: ``path`` is not the kind the model is exported
             as (every rank raises).
-        TypeError: a non-tensor state entry with safetensors, or a tensor-parallel layer no
-            rule in :func:`split_rules` knows.
+        FileExistsError: ``path`` is a directory holding a weights file that
+            ``from_pretrained`` reads before the one written (``model.safetensors`` beside a
+            ``"torch"`` export; every rank raises).
+        TypeError: a non-tensor state entry with safetensors.
     """
     fmt = check_format(format)
     path = os.fspath(path)
