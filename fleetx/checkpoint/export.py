@@ -392,11 +392,13 @@ def export_model(module: nn.Module, path: str, format: str = "safetensors",
     Raises:
         ValueError: an unknown ``format`` (before any communication).
         IsADirectoryError, NotADirectoryError: ``path`` is not the kind the model is exported
-            as (every rank raises).
+            as.
         FileExistsError: ``path`` is a directory holding a weights file that
             ``from_pretrained`` reads before the one written (``model.safetensors`` beside a
-            ``"torch"`` export; every rank raises).
+            ``"torch"`` export).
         TypeError: a non-tensor state entry with safetensors.
+        RuntimeError: on the ranks other than 0, when rank 0 failed to write (naming its
+            error; rank 0 raises the error itself).
     """
     fmt = check_format(format)
     path = os.fspath(path)

@@ -37,23 +37,30 @@ class ExportCalls:
         unsplit model's ``state_dict()`` (every rank calls; a collective; rank 0 writes).
 
         From any layout: data parallel, sharding stages 1, 2 and 3, tensor parallel (fleetx's
-        parallel layers) and pipeline parallel (a pipeline's keys are those of
-        ``nn.Sequential(*layers)``). The file is written to a temporary name in the same folder,
-        flushed and renamed, so ``path`` never holds half a file; every rank returns once it is
-        written. A rank that does not call makes the others wait for the process group's
-        timeout.
+        parallel layers, also as a model's own plan applied them) and pipeline parallel (a
+        pipeline's keys are those of ``nn.Sequential(*layers)``). Rank 0 gathers the whole
+        model in CPU memory, writes it to a temporary name in the same folder, flushes it to
+        disk and renames it, so ``path`` never holds half a file; every rank returns once it
+        is written.
+
+        Every rank must call it: called under ``if rank == 0:`` it waits for the others until
+        ``FLEETX_TIMEOUT`` and fails with the backend's timeout error
+        (``FLEETX_DEBUG_COLLECTIVES=1`` names the rank that did not come instead).
 
         What ``path`` is: for a Hugging Face model (a ``transformers.PreTrainedModel``) a
         directory that ``from_pretrained(path)`` reads: ``config.json``,
         ``generation_config.json`` (a model that generates), and ``model.safetensors``
         (``pytorch_model.bin`` with ``format="torch"``); an existing directory keeps its other
-        files. For any other model, the file itself.
+        files (a tokenizer), the new ones replacing theirs. For any other model, the file
+        itself, whatever its name.
 
         Tied weights: ``"torch"`` keeps every key (tied keys share one tensor, as in
-        ``torch.save(model.state_dict())``); ``"safetensors"`` writes a tie once (the key a
-        Hugging Face model lists in ``_tied_weights_keys``, else the later aliases, is left
-        out), so load it with ``safetensors.torch.load_model(model, file)``, strict, which
-        re-ties, or ``from_pretrained``.
+        ``torch.save(model.state_dict())``); ``"safetensors"`` writes a tie once, as Hugging
+        Face does (the key a Hugging Face model lists in ``_tied_weights_keys``, else every
+        alias after the first, is left out): read it with
+        ``safetensors.torch.load_model(model, file)`` (strict; it fills the tie from the key
+        that was kept) or ``from_pretrained``. A model without ties also loads with
+        ``model.load_state_dict(safetensors.torch.load_file(file), strict=True)``.
 
         Args:
             path: the Hugging Face directory, or the file.
@@ -62,14 +69,16 @@ class ExportCalls:
                 given to it); default: the one model given to ``fleet.distributed_model``.
 
         Returns:
-            The path of the weights file written.
+            The path of the weights file written (on every rank).
 
         Raises:
-            ValueError: an unknown ``format``.
+            ValueError: an unknown ``format`` (before any communication).
             FleetError: no model given to ``fleet.distributed_model`` (or several, and no
                 ``model``).
-            IsADirectoryError, NotADirectoryError: ``path`` is a directory for a plain model,
-                or a file for a Hugging Face one.
+            IsADirectoryError, NotADirectoryError, FileExistsError: ``path`` is a directory
+                for a plain model, or a file for a Hugging Face one, or a directory holding a
+                weights file ``from_pretrained`` would read first (rank 0 raises it, the other
+                ranks a ``RuntimeError`` that names it).
 
         Example:
             >>> fleet.export_model("gpt.safetensors")          # every rank
