@@ -333,3 +333,36 @@ def test_pipeline_shared_layer_is_written_once_and_loads_tied(mp_ranks):
         layers[6] = layers[0]  # the unsplit model uses one embedding at both places
         plain = _load_strict(nn.Sequential(*layers), out / name)
         assert max_diff(plain.state_dict(), _merged(ranks, "tied")) == 0, name
+
+
+def _one_rank_calls(rank: int, world: int, out: str, debug: str) -> None:
+    """Rank 0 alone exports (the ``if rank == 0:`` habit of DDP scripts); rank 1 goes on."""
+    import time
+    os.environ.update(FLEETX_TIMEOUT="3", FLEETX_DEBUG_COLLECTIVES=debug)
+    from fleetx import fleet
+    fleet.init(is_collective=True)
+    fleet.distributed_model(nn.Linear(2, 2))
+    started, error = time.monotonic(), None
+    if rank == 0:
+        try:
+            fleet.export_model(f"{out}/never.safetensors")
+        except Exception as err:  # noqa: BLE001  (what the user sees)
+            error = (type(err).__name__, str(err))
+    else:
+        time.sleep(5)
+    torch.save({"error": error, "seconds": time.monotonic() - started}, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("debug", ["0", "1"], ids=["plain", "debug_collectives"])
+def test_an_export_called_on_one_rank_fails_after_the_timeout(tmp_path, debug):
+    """As docs/export.md says: the backend's timeout error after FLEETX_TIMEOUT, or with
+    FLEETX_DEBUG_COLLECTIVES=1 a CommError naming the rank that did not come; no file."""
+    import spawn
+    spawn.run(_one_rank_calls, 2, str(tmp_path), debug, deadline=60)
+    got = torch.load(tmp_path / "rank0.pt")
+    assert got["error"] is not None and got["seconds"] < 10
+    if debug == "1":
+        assert got["error"][0] == "CommError"
+        assert got["error"][1].startswith("rank 1 did not arrive at fleet.export_model")
+    assert not (tmp_path / "never.safetensors").exists()

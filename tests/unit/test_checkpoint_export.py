@@ -136,6 +136,9 @@ def test_save_pretrained_on_the_wrapped_model_refuses_what_it_cannot_write(fleet
     with pytest.raises(TypeError, match=r"\['max_shard_size'\] are not supported: it writes one "
                                         r"consolidated file with fleet.export_model"):
         wrapped.save_pretrained(tmp_path / "hf", max_shard_size="1GB")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")  # saved there before: kept
     wrapped.save_pretrained(tmp_path / "hf", safe_serialization=False)
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "generation_config.json",
-                                                   "pytorch_model.bin"]
+                                                   "pytorch_model.bin", "tokenizer.json"]
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # the staging folder is gone
