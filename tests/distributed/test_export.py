@@ -22,7 +22,6 @@ checks run in one process.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import warnings
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_models  # noqa: E402
 from spawn import max_diff, run_and_load  # noqa: E402
+from test_tp_plan import float64  # noqa: E402  (layers and HF buffers built in float64)
 
 B, STEPS, LR, VOCAB = 4, 2, 0.01, 11
 TOL = 1e-5
@@ -202,16 +202,6 @@ def test_hugging_face_export_loads_with_from_pretrained(dp_ranks, name, build, w
 
 # -- tensor and pipeline parallel ----------------------------------------------------------------
 W, TP_VOCAB = 8, 12
-
-
-@contextlib.contextmanager
-def float64():
-    """Layers built (and Hugging Face buffers made) in float64."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(torch.float32)
 
 
 def tp_model(split: bool) -> nn.Sequential:
