@@ -18,7 +18,10 @@ the union batch), or with the parameters the stages hold:
   once and re-tied by ``safetensors.torch.load_model``.
 
 Two spawns (one per topology family); the parent compares. The crash-safety and argument
-checks run in one process.
+checks run in one process (tests/unit/test_checkpoint_export.py). Slow: dp 2 x mp 2 on 4
+processes (Llama's plan, each replica on half the batch) equals one process on the whole batch;
+an export called on rank 0 alone fails after ``FLEETX_TIMEOUT`` (naming rank 1 with
+``FLEETX_DEBUG_COLLECTIVES=1``) instead of hanging.
 """
 from __future__ import annotations
 
@@ -356,3 +359,26 @@ def test_an_export_called_on_one_rank_fails_after_the_timeout(tmp_path, debug):
         assert got["error"][0] == "CommError"
         assert got["error"][1].startswith("rank 1 did not arrive at fleet.export_model")
     assert not (tmp_path / "never.safetensors").exists()
+
+
+def _hybrid_case(rank: int, world: int, out: str) -> None:
+    """dp 2 x mp 2: Llama split by its plan, each data-parallel replica on half the batch."""
+    from fleetx import fleet
+    fleet.init(is_collective=True, strategy=_strategy(dp_degree=2, mp_degree=2))
+    dp_rank = fleet.get_hybrid_communicate_group().get_data_parallel_rank()
+    hf_loss = lambda m, x: m(input_ids=x, labels=x).loss  # noqa: E731
+    with float64():
+        _train(dp_rank, hf_models.llama().double(), hf_batches(2), hf_loss)
+        fleet.export_model(f"{out}/llama_dp_mp")
+    torch.save({"dp_rank": dp_rank}, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_data_parallel_over_tensor_parallel_exports_the_model_of_one_process(tmp_path):
+    tf = hf_models.transformers()
+    ranks = run_and_load(_hybrid_case, 4, tmp_path, deadline=300)
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
+    with float64():
+        want = reference_hf(lambda: hf_models.llama().double())
+        got = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "llama_dp_mp")
+        assert max_diff(got.state_dict(), want.state_dict()) <= 1e-10
