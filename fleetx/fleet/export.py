@@ -7,7 +7,7 @@ the gathering and the atomic writing live.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Optional
 
 from torch import nn
 
