@@ -12,6 +12,10 @@ writes the tensors, this manifest commits them. The parameter server's ``save_pe
 uses it (:mod:`fleetx.ps.checkpoint` decides
 what goes in the files); it knows nothing of what the files hold, so any checkpoint made of
 files in a folder can use it.
+
+To take a trained model out of the job, :mod:`fleetx.checkpoint.export` (``fleet.export_model``)
+writes one consolidated weights file under the plain model's keys, from any layout, with the
+same write-then-rename discipline.
 """
 from fleetx.checkpoint.api import CheckpointError, FileEntry, Manifest
 from fleetx.checkpoint.manifest import Checkpoint, SaveWriter, has_checkpoint, new_save_id

@@ -14,7 +14,8 @@ process holds) in ``memory.py``; the errors, and the default fleet's registratio
 your own ``Fleet()`` for tests or for several jobs in one process (they share the process-wide
 state listed below). ``save_checkpoint`` / ``load_checkpoint``
 (``checkpoints.py``) save and restore the training state of a collective job;
-``auto_checkpoint`` / ``start_step`` do it every k optimizer steps and resume a restarted job. The datasets and
+``auto_checkpoint`` / ``start_step`` do it every k optimizer steps and resume a restarted job;
+``export_model`` (``export.py``) writes the trained model as one consolidated file. The datasets and
 data generators (``InMemoryDataset``, ``QueueDataset``, ``DatasetFactory``,
 ``MultiSlotDataGenerator``...) are :mod:`fleetx.data`'s, re-exported here as in Paddle.
 
@@ -96,6 +97,7 @@ save_checkpoint = _fleet.save_checkpoint
 load_checkpoint = _fleet.load_checkpoint
 auto_checkpoint = _fleet.auto_checkpoint
 start_step = _fleet.start_step
+export_model = _fleet.export_model
 state_bytes = _fleet.state_bytes
 get_hybrid_communicate_group = _fleet.get_hybrid_communicate_group
 applied_strategies = _fleet.applied_strategies
@@ -162,7 +164,7 @@ __all__ = [
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
     "init_worker", "init_server", "run_server", "stop_worker", "save_persistables", "prefetch",
     "save_inference_model", "shrink", "table_stats", "print_table_stat", "save_checkpoint",
-    "load_checkpoint", "auto_checkpoint", "start_step",
+    "load_checkpoint", "auto_checkpoint", "start_step", "export_model",
     "MultiSlotDataGenerator", "MultiSlotStringDataGenerator", "DatasetBase", "InMemoryDataset",
     "QueueDataset", "DatasetFactory",
 ]

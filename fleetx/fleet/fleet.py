@@ -22,6 +22,7 @@ from fleetx.fleet import applied
 from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerError: re-exported
 from fleetx.fleet.checkpoints import CheckpointCalls
 from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
+from fleetx.fleet.export import ExportCalls
 from fleetx.fleet.hybrid import HybridQueries
 from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
@@ -37,7 +38,7 @@ from fleetx.strategy.planner import load_strategies, plan_for
 __all__ = ["Fleet", "FleetError", "RuntimeHandlerError"]
 
 class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, CheckpointCalls,
-            HybridQueries):
+            ExportCalls, HybridQueries):
     """One process's view of a distributed job.
 
     Example:

@@ -148,6 +148,42 @@ class DistributedModel(nn.Module):
                 engine.train(mode)
         return self
 
+    def save_pretrained(self, save_directory: str, *, safe_serialization: bool = True,
+                        is_main_process: bool = True, **kwargs: Any) -> None:
+        """Hugging Face's ``save_pretrained`` for the wrapped model, at every layout: the
+        directory ``from_pretrained`` reads, written by ``fleet.export_model`` (every rank
+        calls; a collective; rank 0 writes). The weights are gathered whole, also from sharded
+        parameters, into one ``model.safetensors`` (``pytorch_model.bin`` with
+        ``safe_serialization=False``).
+
+        Args:
+            save_directory: the directory (created; other files in it are kept).
+            safe_serialization: safetensors (default) or a torch file.
+            is_main_process: accepted for scripts written for Accelerate and ignored: every
+                rank must call, and rank 0 writes.
+            **kwargs: none is supported (``max_shard_size``, ``push_to_hub``, ``state_dict``...).
+
+        Raises:
+            AttributeError: the wrapped model is not a Hugging Face ``PreTrainedModel``.
+            TypeError: a keyword argument other than those above, naming
+                ``fleet.export_model``.
+
+        Example:
+            >>> fleet.distributed_model(hf_model).save_pretrained("out")   # every rank
+        """
+        from fleetx.checkpoint.export import export_model, is_hugging_face
+        if not is_hugging_face(self.module):
+            raise AttributeError(f"{type(self.module).__name__} has no save_pretrained (not a "
+                                 f"Hugging Face PreTrainedModel): use fleet.export_model(path)")
+        if kwargs:
+            raise TypeError(f"DistributedModel.save_pretrained takes save_directory, "
+                            f"safe_serialization and is_main_process; {sorted(kwargs)} are not "
+                            f"supported: it writes one consolidated file with "
+                            f"fleet.export_model(path, format=...)")
+        export_model(self.module, save_directory,
+                     "safetensors" if safe_serialization else "torch",
+                     what="DistributedModel.save_pretrained")
+
     def __getstate__(self) -> dict:
         # A copy (EMA models, torch.save of the module) is a plain model: it neither carries
         # the process groups nor takes part in the job.
