@@ -1,0 +1,177 @@
+"""The transformer recipe (nanoGPT's ``train.py`` loop) at every sharding stage, on 2 processes.
+
+A ``GPT2LMHeadModel`` in float64 whose MLP is 33 wide (``c_proj.weight`` has 33 rows: uneven
+shards on 2 ranks) is trained as nanoGPT trains: each rank seeds ``1337 + rank`` before building
+the model, and the optimizer is ``torch.optim.AdamW`` with nanoGPT's two parameter groups (weight
+decay on the 2-D weights only), built before or after ``fleet.distributed_model``. At stages 1,
+2 and 3:
+
+* the iteration-0 loss on each rank's slice is that of rank 0's initialisation (the model of
+  seed 1337 in one process), as under data parallel, and after the steps the parameters equal
+  one process with AdamW on the union batch (float64, a formula: 1e-9);
+* ``opt.state_dict()`` is the whole state in the plain optimizer's format (full plain tensors,
+  indices in group order), on every rank; saved by rank 0 after 2 steps and loaded on every rank
+  into a fresh model and optimizer, training goes on to the uninterrupted run's parameters
+  (1e-12), and the saved dict loads into a plain AdamW.
+
+One spawn runs every case; the parent computes the one-process references and compares.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_models  # noqa: E402  (tests/hf_models.py)
+from spawn import max_diff, run_and_load  # noqa: E402
+
+WORLD, B, STEPS, SAVED_AT, SEED = 2, 2, 4, 2, 1337
+STAGES = (1, 2, 3)
+
+
+def make(rank: int = 0) -> torch.nn.Module:
+    """nanoGPT's seeding: each rank builds its model from its own seed."""
+    return hf_models.gpt2(n_inner=33, seed=SEED + rank).to(torch.float64)
+
+
+def configure_optimizers(model: torch.nn.Module) -> torch.optim.AdamW:
+    """nanoGPT's ``configure_optimizers``: weight decay on the weights of 2 or more dimensions
+    (matrices, embeddings), none on biases and norms."""
+    params = dict(model.named_parameters())
+    groups = [{"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+
+
+def data() -> list:
+    return [hf_models.batch(WORLD * B, seed=10 + i) for i in range(STEPS)]
+
+
+def reference() -> dict:
+    """One process from rank 0's initialisation, AdamW on the union batch: the loss of each
+    rank's slice at iteration 0, and the parameters after every step."""
+    model = make(0)
+    opt = configure_optimizers(model)
+    batches = data()
+    with torch.no_grad():
+        x = batches[0]
+        first = [model(input_ids=x[r * B:(r + 1) * B], labels=x[r * B:(r + 1) * B]).loss.item()
+                 for r in range(WORLD)]
+    for x in batches:
+        model(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"first": first, "state": model.state_dict()}
+
+
+def _wrap(stage: int, rank: int, optimizer_first: bool):
+    from fleetx import fleet
+    s = fleet.DistributedStrategy()
+    s.sharding = True
+    s.sharding_configs = {"stage": stage}
+    fleet.init(is_collective=True, strategy=s)
+    plain = make(rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if optimizer_first:
+            opt = fleet.distributed_optimizer(configure_optimizers(plain))
+            model = fleet.distributed_model(plain)
+        else:
+            model = fleet.distributed_model(plain)
+            opt = fleet.distributed_optimizer(configure_optimizers(model))
+    return model, opt
+
+
+def _steps(model, opt, rank: int, batches: list) -> list:
+    losses = []
+    for x in batches:
+        mine = x[rank * B:(rank + 1) * B]
+        loss = model(input_ids=mine, labels=mine).loss
+        losses.append(loss.item())
+        opt.minimize(loss)
+    return losses
+
+
+def _train(stage: int, rank: int, optimizer_first: bool) -> dict:
+    model, opt = _wrap(stage, rank, optimizer_first)
+    losses = _steps(model, opt, rank, data())
+    return {"first": losses[0], "state": model.state_dict()}
+
+
+def _resume(stage: int, rank: int, out: str) -> dict:
+    """Train ``SAVED_AT`` steps, save on rank 0, load on every rank into a fresh model and
+    optimizer (built from this rank's other seed), and train the remaining steps."""
+    import torch.distributed as dist
+    model, opt = _wrap(stage, rank, optimizer_first=False)
+    _steps(model, opt, rank, data()[:SAVED_AT])
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}  # every rank
+    path = f"{out}/stage{stage}.pt"
+    if rank == 0:
+        torch.save(saved, path)
+    dist.barrier()
+    loaded = torch.load(path, weights_only=True)  # plain tensors only
+    model, opt = _wrap(stage, rank + WORLD, optimizer_first=False)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    _steps(model, opt, rank, data()[SAVED_AT:])
+    return {"saved": saved["optimizer"], "state": model.state_dict()}
+
+
+def _cases(rank: int, world: int, out: str) -> None:
+    results = {}
+    for stage in STAGES:
+        for first in (False, True):
+            results[f"stage{stage}_first{first}"] = _train(stage, rank, first)
+        results[f"stage{stage}_resume"] = _resume(stage, rank, out)
+    torch.save(results, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_and_load(_cases, WORLD, tmp_path_factory.mktemp("recipe"))
+
+
+@pytest.fixture(scope="module")
+def want():
+    return reference()
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+@pytest.mark.parametrize("stage", STAGES)
+def test_adamw_from_rank0_init_equals_one_process_on_the_union_batch(ranks, want, stage,
+                                                                    optimizer_first):
+    # the ranks' own seeds give other weights: rank 0's were sent to every rank
+    assert max_diff(make(1).state_dict(), make(0).state_dict()) > 1e-2
+    assert max_diff(want["state"], make(0).state_dict()) > 1e-3  # the steps moved the weights
+    for rank, r in enumerate(ranks):
+        got = r[f"stage{stage}_first{optimizer_first}"]
+        assert got["first"] == pytest.approx(want["first"][rank], abs=1e-12)
+        assert max_diff(got["state"], want["state"]) <= 1e-9
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_full_optimizer_state_saved_on_rank0_resumes_exactly(ranks, stage):
+    plain = make(0)
+    opt = configure_optimizers(plain)
+    shapes = [p.shape for group in opt.param_groups for p in group["params"]]  # index order
+    n_params = len(shapes)
+    assert any(s[0] == 33 for s in shapes)  # a tensor of 33 rows: uneven shards on 2 ranks
+    for r in ranks:
+        sd = r[f"stage{stage}_resume"]["saved"]
+        assert sorted(sd["state"]) == list(range(n_params))
+        for index, entry in sd["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert type(entry[key]) is torch.Tensor and entry[key].shape == shapes[index]
+            assert int(entry["step"]) == SAVED_AT
+        uninterrupted = r[f"stage{stage}_firstFalse"]["state"]
+        assert max_diff(r[f"stage{stage}_resume"]["state"], uninterrupted) <= 1e-12
+    # the same state on both ranks, and in the plain optimizer's format
+    a, b = (r[f"stage{stage}_resume"]["saved"]["state"] for r in ranks)
+    assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
+    opt.load_state_dict(ranks[1][f"stage{stage}_resume"]["saved"])
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
