@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fleetx.optim.wrapper import OptimizerWrapper
+from fleetx.parallel.api import is_dtensor
 from fleetx.parallel.clip import clip_grad_norm_
 
 __all__ = ["DistributedOptimizer"]
@@ -268,10 +269,7 @@ def _consolidated(inner: torch.optim.Optimizer) -> dict:
 def _full_tensors(sd: dict) -> dict:
     """``sd`` with every ``DTensor`` of its state gathered into a plain full tensor (a
     collective over the tensor's mesh, which FSDP2 puts under sharding stages 2 and 3)."""
-    from torch.distributed.tensor import DTensor
-
-    state = {index: {k: v.full_tensor() if isinstance(v, DTensor) else v
-                     for k, v in entry.items()}
+    state = {index: {k: v.full_tensor() if is_dtensor(v) else v for k, v in entry.items()}
              for index, entry in sd["state"].items()}
     return dict(sd, state=state)
 
@@ -281,26 +279,28 @@ def _sharded_like(inner: torch.optim.Optimizer, sd: dict) -> dict:
     laid out as the parameter is (each rank holds the whole tensor: no communication).
 
     Raises:
-        ValueError: a state tensor has neither the parameter's shape nor none (a scalar).
+        ValueError: a state tensor is neither a scalar nor of its parameter's shape.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     params = [p for group in inner.param_groups for p in group["params"]]
     state = {}
     for index, entry in sd.get("state", {}).items():
         param = params[index] if isinstance(index, int) and index < len(params) else None
-        if not isinstance(param, DTensor):
-            state[index] = entry
-            continue
-        state[index] = {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim():
-                if value.shape != param.shape:
-                    raise ValueError(
-                        f"optimizer state {key!r} of parameter {index} has shape "
-                        f"{tuple(value.shape)}, the parameter {tuple(param.shape)}: the state "
-                        f"dict was saved for another model or other parameter groups")
-                value = distribute_tensor(value.to(param.device), param.device_mesh,
-                                          param.placements, src_data_rank=None)
-            state[index][key] = value
+        state[index] = entry if not is_dtensor(param) else {
+            key: _shard_of(value, param, index, key) for key, value in entry.items()}
     return dict(sd, state=state)
+
+
+def _shard_of(value: Any, param: Any, index: int, key: str) -> Any:
+    """This rank's share of the full state tensor ``value`` of the ``DTensor`` ``param``;
+    a scalar (Adam's ``step``) or a value already sharded as it is."""
+    if not isinstance(value, torch.Tensor) or is_dtensor(value) or value.dim() == 0:
+        return value
+    if value.shape != param.shape:
+        raise ValueError(
+            f"optimizer state {key!r} of parameter {index} has shape {tuple(value.shape)}, the "
+            f"parameter {tuple(param.shape)}: the state dict was saved for another model or "
+            f"other parameter groups")
+    from torch.distributed.tensor import distribute_tensor  # loaded: param is a DTensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=None)

@@ -12,7 +12,8 @@ decay on the 2-D weights only), built before or after ``fleet.distributed_model`
 * ``opt.state_dict()`` is the whole state in the plain optimizer's format (full plain tensors,
   indices in group order), on every rank; saved by rank 0 after 2 steps and loaded on every rank
   into a fresh model and optimizer, training goes on to the uninterrupted run's parameters
-  (1e-12), and the saved dict loads into a plain AdamW.
+  (1e-12), and the saved dict loads into a plain AdamW. A state tensor of another shape is
+  refused naming the parameter.
 
 One spawn runs every case; the parent computes the one-process references and compares.
 """
@@ -117,9 +118,21 @@ def _resume(stage: int, rank: int, out: str) -> dict:
     loaded = torch.load(path, weights_only=True)  # plain tensors only
     model, opt = _wrap(stage, rank + WORLD, optimizer_first=False)
     model.load_state_dict(loaded["model"])
+    refused = _wrong_shape_error(opt, loaded["optimizer"]) if stage > 1 else ""
     opt.load_state_dict(loaded["optimizer"])
     _steps(model, opt, rank, data()[SAVED_AT:])
-    return {"saved": saved["optimizer"], "state": model.state_dict()}
+    return {"saved": saved["optimizer"], "state": model.state_dict(), "refused": refused}
+
+
+def _wrong_shape_error(opt, sd: dict) -> str:
+    """The error of loading a state whose first moment of parameter 0 lost a row."""
+    state = dict(sd["state"])
+    state[0] = dict(state[0], exp_avg=state[0]["exp_avg"][1:])
+    try:
+        opt.load_state_dict(dict(sd, state=state))
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def _cases(rank: int, world: int, out: str) -> None:
@@ -175,3 +188,11 @@ def test_full_optimizer_state_saved_on_rank0_resumes_exactly(ranks, stage):
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
     opt.load_state_dict(ranks[1][f"stage{stage}_resume"]["saved"])
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_state_of_another_shape_is_refused_naming_the_parameter(ranks, stage):
+    for r in ranks:
+        assert r[f"stage{stage}_resume"]["refused"] == (
+            "optimizer state 'exp_avg' of parameter 0 has shape (255, 32), the parameter "
+            "(256, 32): the state dict was saved for another model or other parameter groups")
