@@ -12,8 +12,8 @@ decay on the 2-D weights only), built before or after ``fleet.distributed_model`
 * ``opt.state_dict()`` is the whole state in the plain optimizer's format (full plain tensors,
   indices in group order), on every rank; saved by rank 0 after 2 steps and loaded on every rank
   into a fresh model and optimizer, training goes on to the uninterrupted run's parameters
-  (1e-12), and the saved dict loads into a plain AdamW. A state tensor of another shape is
-  refused naming the parameter.
+  (1e-12), and the saved dict loads into a plain AdamW; saved at stage 1, it resumes at stage
+  3. A state tensor of another shape is refused naming the parameter.
 
 One spawn runs every case; the parent computes the one-process references and compares. The
 4-process case (stage 3 over a ``(replicate, shard)`` mesh, ``hybrid_dp``) is slow.
@@ -142,7 +142,18 @@ def _cases(rank: int, world: int, out: str) -> None:
         for first in (False, True):
             results[f"stage{stage}_first{first}"] = _train(stage, rank, world, first)
         results[f"stage{stage}_resume"] = _resume(stage, rank, world, out)
+    results["stage1_to_3"] = _load_at(3, f"{out}/stage1_world{world}.pt", rank, world)
     torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def _load_at(stage: int, path: str, rank: int, world: int) -> dict:
+    """Resume at ``stage`` from what another stage saved."""
+    loaded = torch.load(path, weights_only=True)
+    model, opt = _wrap(stage, rank + world, False)
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    _steps(model, opt, rank, data(world)[SAVED_AT:])
+    return model.state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +200,12 @@ def test_full_optimizer_state_saved_on_rank0_resumes_exactly(ranks, stage):
     assert all(torch.equal(a[i]["exp_avg_sq"], b[i]["exp_avg_sq"]) for i in a)
     opt.load_state_dict(ranks[1][f"stage{stage}_resume"]["saved"])
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_a_state_saved_at_stage1_resumes_at_stage3(ranks, want):
+    for r in ranks:
+        assert max_diff(r["stage1_to_3"], r["stage3_firstFalse"]["state"]) <= 1e-9
+        assert max_diff(r["stage1_to_3"], want["state"]) <= 1e-9
 
 
 @pytest.mark.parametrize("stage", [2, 3])
