@@ -293,8 +293,17 @@ def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.op
     Raises:
         StrategyError: the class does not accept its own defaults as keyword arguments.
     """
+    return _rebuilt(optimizer, lambda **defaults: type(optimizer)(groups, **defaults))
+
+
+def _rebuilt(optimizer: torch.optim.Optimizer, make: Callable[..., Any]) -> Any:
+    """``make(**defaults)`` with the defaults ``optimizer``'s constructor takes.
+
+    Raises:
+        StrategyError: the constructor refused them (a ``TypeError``).
+    """
     try:
-        return type(optimizer)(groups, **_constructor_defaults(optimizer))
+        return make(**_constructor_defaults(optimizer))
     except TypeError as err:
         raise StrategyError(
             f"sharding: cannot rebuild {type(optimizer).__name__} over the sharded parameters "
@@ -365,7 +374,8 @@ def zero_optimizer(optimizer: torch.optim.Optimizer,
         group: the sharding group (None: the default group), see :func:`sharding_group`.
 
     Raises:
-        StrategyError: the user's optimizer already holds state.
+        StrategyError: the user's optimizer already holds state, or its class does not accept
+            its own defaults as keyword arguments.
     """
     # the engines are imported when a plan shards, not with fleetx: a process that never
     # shards does not pay for them at start-up
@@ -373,6 +383,6 @@ def zero_optimizer(optimizer: torch.optim.Optimizer,
 
     groups = [dict(g) for g in optimizer.param_groups]
     key = ("zero", id(group), tuple(id(p) for g in groups for p in g["params"]))
-    return _cached(optimizer, key, lambda: ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=group,
-        **_constructor_defaults(optimizer)))
+    return _cached(optimizer, key, lambda: _rebuilt(optimizer, lambda **defaults: (
+        ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group,
+                                **defaults))))
