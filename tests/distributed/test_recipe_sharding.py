@@ -16,7 +16,8 @@ decay on the 2-D weights only), built before or after ``fleet.distributed_model`
   3. A state tensor of another shape is refused naming the parameter.
 
 One spawn runs every case; the parent computes the one-process references and compares. The
-4-process case (stage 3 over a ``(replicate, shard)`` mesh, ``hybrid_dp``) is slow.
+4-process case (stage 3 over a ``(replicate, shard)`` mesh, ``hybrid_dp``) and stage 3 on a
+``LlamaForCausalLM`` (rotary buffers, grouped-query attention) are slow.
 """
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ WORLD, B, STEPS, SAVED_AT, SEED = 2, 2, 4, 2, 1337
 STAGES = (1, 2, 3)
 
 
-def make(rank: int = 0) -> torch.nn.Module:
+def make(rank: int = 0, arch: str = "gpt2") -> torch.nn.Module:
     """nanoGPT's seeding: each rank builds its model from its own seed."""
+    if arch == "llama":
+        return hf_models.llama(seed=SEED + rank).to(torch.float64)
     return hf_models.gpt2(n_inner=33, seed=SEED + rank).to(torch.float64)
 
 
@@ -54,10 +57,10 @@ def data(world: int = WORLD) -> list:
     return [hf_models.batch(world * B, seed=10 + i) for i in range(STEPS)]
 
 
-def reference(world: int = WORLD) -> dict:
+def reference(world: int = WORLD, arch: str = "gpt2") -> dict:
     """One process from rank 0's initialisation, AdamW on the union batch: the loss of each
     rank's slice at iteration 0, and the parameters after every step."""
-    model = make(0)
+    model = make(0, arch)
     opt = configure_optimizers(model)
     batches = data(world)
     with torch.no_grad():
@@ -71,13 +74,13 @@ def reference(world: int = WORLD) -> dict:
     return {"first": first, "state": model.state_dict()}
 
 
-def _wrap(stage: int, seed: int, optimizer_first: bool, **sharding):
+def _wrap(stage: int, seed: int, optimizer_first: bool, arch: str = "gpt2", **sharding):
     from fleetx import fleet
     s = fleet.DistributedStrategy()
     s.sharding = True
     s.sharding_configs = dict(stage=stage, **sharding)
     fleet.init(is_collective=True, strategy=s)
-    plain = make(seed)
+    plain = make(seed, arch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if optimizer_first:
@@ -99,17 +102,17 @@ def _steps(model, opt, rank: int, batches: list) -> list:
     return losses
 
 
-def _train(stage: int, rank: int, world: int, optimizer_first: bool, **sharding) -> dict:
-    model, opt = _wrap(stage, rank, optimizer_first, **sharding)
+def _train(stage: int, rank: int, world: int, optimizer_first: bool, **options) -> dict:
+    model, opt = _wrap(stage, rank, optimizer_first, **options)
     losses = _steps(model, opt, rank, data(world))
     return {"first": losses[0], "state": model.state_dict()}
 
 
-def _resume(stage: int, rank: int, world: int, out: str, **sharding) -> dict:
+def _resume(stage: int, rank: int, world: int, out: str, **options) -> dict:
     """Train ``SAVED_AT`` steps, save on rank 0, load on every rank into a fresh model and
     optimizer (built from this rank's other seed), and train the remaining steps."""
     import torch.distributed as dist
-    model, opt = _wrap(stage, rank, False, **sharding)
+    model, opt = _wrap(stage, rank, False, **options)
     _steps(model, opt, rank, data(world)[:SAVED_AT])
     saved = {"model": model.state_dict(), "optimizer": opt.state_dict()}  # every rank
     path = f"{out}/stage{stage}_world{world}.pt"
@@ -117,7 +120,7 @@ def _resume(stage: int, rank: int, world: int, out: str, **sharding) -> dict:
         torch.save(saved, path)
     dist.barrier()
     loaded = torch.load(path, weights_only=True)  # plain tensors only
-    model, opt = _wrap(stage, rank + world, False, **sharding)
+    model, opt = _wrap(stage, rank + world, False, **options)
     model.load_state_dict(loaded["model"])
     refused = _wrong_shape_error(opt, loaded["optimizer"]) if stage > 1 else ""
     opt.load_state_dict(loaded["optimizer"])
@@ -226,6 +229,21 @@ def _hybrid(rank: int, world: int, out: str) -> None:
 def test_four_processes_hybrid_stage3_starts_from_rank0_and_resumes_exactly(tmp_path):
     want = reference(4)
     for rank, r in enumerate(run_and_load(_hybrid, 4, tmp_path)):
+        assert r["train"]["first"] == pytest.approx(want["first"][rank], abs=1e-12)
+        assert max_diff(r["train"]["state"], want["state"]) <= 1e-9
+        assert max_diff(r["resume"]["state"], r["train"]["state"]) <= 1e-12
+
+
+def _llama(rank: int, world: int, out: str) -> None:
+    torch.save({"train": _train(3, rank, world, False, arch="llama"),
+                "resume": _resume(3, rank, world, out, arch="llama")}, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_llama_stage3_starts_from_rank0_and_resumes_exactly(tmp_path):
+    want = reference(WORLD, "llama")
+    assert max_diff(make(1, "llama").state_dict(), make(0, "llama").state_dict()) > 1e-2
+    for rank, r in enumerate(run_and_load(_llama, WORLD, tmp_path)):
         assert r["train"]["first"] == pytest.approx(want["first"][rank], abs=1e-12)
         assert max_diff(r["train"]["state"], want["state"]) <= 1e-9
         assert max_diff(r["resume"]["state"], r["train"]["state"]) <= 1e-12
