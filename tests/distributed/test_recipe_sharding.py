@@ -109,8 +109,7 @@ def _train(stage: int, rank: int, world: int, optimizer_first: bool, **options) 
 
 
 def _resume(stage: int, rank: int, world: int, out: str, **options) -> dict:
-    """Train ``SAVED_AT`` steps, save on rank 0, load on every rank into a fresh model and
-    optimizer (built from this rank's other seed), and train the remaining steps."""
+    """Train ``SAVED_AT`` steps, save on rank 0, and go on from the file (:func:`_load_at`)."""
     import torch.distributed as dist
     model, opt = _wrap(stage, rank, False, **options)
     _steps(model, opt, rank, data(world)[:SAVED_AT])
@@ -119,13 +118,7 @@ def _resume(stage: int, rank: int, world: int, out: str, **options) -> dict:
     if rank == 0:
         torch.save(saved, path)
     dist.barrier()
-    loaded = torch.load(path, weights_only=True)  # plain tensors only
-    model, opt = _wrap(stage, rank + world, False, **options)
-    model.load_state_dict(loaded["model"])
-    refused = _wrong_shape_error(opt, loaded["optimizer"]) if stage > 1 else ""
-    opt.load_state_dict(loaded["optimizer"])
-    _steps(model, opt, rank, data(world)[SAVED_AT:])
-    return {"saved": saved["optimizer"], "state": model.state_dict(), "refused": refused}
+    return dict(_load_at(stage, path, rank, world, **options), saved=saved["optimizer"])
 
 
 def _wrong_shape_error(opt, sd: dict) -> str:
@@ -145,18 +138,21 @@ def _cases(rank: int, world: int, out: str) -> None:
         for first in (False, True):
             results[f"stage{stage}_first{first}"] = _train(stage, rank, world, first)
         results[f"stage{stage}_resume"] = _resume(stage, rank, world, out)
-    results["stage1_to_3"] = _load_at(3, f"{out}/stage1_world{world}.pt", rank, world)
+    results["stage1_to_3"] = _load_at(3, f"{out}/stage1_world{world}.pt", rank, world)["state"]
     torch.save(results, f"{out}/rank{rank}.pt")
 
 
-def _load_at(stage: int, path: str, rank: int, world: int) -> dict:
-    """Resume at ``stage`` from what another stage saved."""
-    loaded = torch.load(path, weights_only=True)
-    model, opt = _wrap(stage, rank + world, False)
+def _load_at(stage: int, path: str, rank: int, world: int, **options) -> dict:
+    """Resume at ``stage`` from ``path`` on every rank, in a fresh model and optimizer (built
+    from this rank's other seed), and train the remaining steps; first, at stages 2 and 3, try
+    a state of another shape (the error)."""
+    loaded = torch.load(path, weights_only=True)  # plain tensors only
+    model, opt = _wrap(stage, rank + world, False, **options)
     model.load_state_dict(loaded["model"])
+    refused = _wrong_shape_error(opt, loaded["optimizer"]) if stage > 1 else ""
     opt.load_state_dict(loaded["optimizer"])
     _steps(model, opt, rank, data(world)[SAVED_AT:])
-    return model.state_dict()
+    return {"state": model.state_dict(), "refused": refused}
 
 
 @pytest.fixture(scope="module")
