@@ -13,7 +13,8 @@ decay on the 2-D weights only), built before or after ``fleet.distributed_model`
   indices in group order), on every rank; saved by rank 0 after 2 steps and loaded on every rank
   into a fresh model and optimizer, training goes on to the uninterrupted run's parameters
   (1e-12), and the saved dict loads into a plain AdamW; saved at stage 1, it resumes at stage
-  3. A state tensor of another shape is refused naming the parameter.
+  3. A state tensor of another shape is refused naming the parameter; a state loaded before
+  the model is sharded (nanoGPT's order) is refused naming the order that works.
 
 One spawn runs every case; the parent computes the one-process references and compares. The
 4-process case (stage 3 over a ``(replicate, shard)`` mesh, ``hybrid_dp``) and stage 3 on a
@@ -139,7 +140,28 @@ def _cases(rank: int, world: int, out: str) -> None:
             results[f"stage{stage}_first{first}"] = _train(stage, rank, world, first)
         results[f"stage{stage}_resume"] = _resume(stage, rank, world, out)
     results["stage1_to_3"] = _load_at(3, f"{out}/stage1_world{world}.pt", rank, world)["state"]
+    results["loaded_before_model"] = _loaded_before_model(f"{out}/stage1_world{world}.pt", rank)
     torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def _loaded_before_model(path: str, rank: int) -> str:
+    """nanoGPT's order (the state loaded before the model is wrapped) at stage 3: the error."""
+    from fleetx import fleet
+    from fleetx.strategy.api import StrategyError
+    s = fleet.DistributedStrategy()
+    s.sharding = True
+    s.sharding_configs = {"stage": 3}
+    fleet.init(is_collective=True, strategy=s)
+    plain = make(rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = fleet.distributed_optimizer(configure_optimizers(plain))
+        opt.load_state_dict(torch.load(path, weights_only=True)["optimizer"])
+        try:
+            fleet.distributed_model(plain)
+        except StrategyError as err:
+            return str(err)
+    return ""
 
 
 def _load_at(stage: int, path: str, rank: int, world: int, **options) -> dict:
@@ -243,3 +265,13 @@ def test_llama_stage3_starts_from_rank0_and_resumes_exactly(tmp_path):
         assert r["train"]["first"] == pytest.approx(want["first"][rank], abs=1e-12)
         assert max_diff(r["train"]["state"], want["state"]) <= 1e-9
         assert max_diff(r["resume"]["state"], r["train"]["state"]) <= 1e-12
+
+
+def test_a_state_loaded_before_the_model_is_sharded_is_refused_naming_the_order(ranks):
+    for r in ranks:
+        assert r["loaded_before_model"] == (
+            "sharding: the AdamW given to fleet.distributed_optimizer already holds state (it "
+            "has stepped, or a state was loaded into it); sharding rebuilds it over the sharded "
+            "parameters and would drop that state: create the optimizer fresh, and load a "
+            "saved state with opt.load_state_dict once both fleet.distributed_model and "
+            "fleet.distributed_optimizer were called")

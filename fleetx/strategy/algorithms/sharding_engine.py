@@ -259,9 +259,10 @@ def _cached(optimizer: torch.optim.Optimizer, key: tuple,
     if optimizer.state:
         raise StrategyError(
             f"sharding: the {type(optimizer).__name__} given to fleet.distributed_optimizer "
-            f"already holds state (it has stepped); sharding rebuilds it over the sharded "
-            f"parameters and would drop that state: create the optimizer fresh, or load its "
-            f"state after distributed_optimizer")
+            f"already holds state (it has stepped, or a state was loaded into it); sharding "
+            f"rebuilds it over the sharded parameters and would drop that state: create the "
+            f"optimizer fresh, and load a saved state with opt.load_state_dict once both "
+            f"fleet.distributed_model and fleet.distributed_optimizer were called")
     new = build()
     optimizer.__dict__[_BUILT] = (key, new)
     return new
