@@ -202,8 +202,8 @@ class DistributedOptimizer(OptimizerWrapper):
         It has the plain optimizer's format (state by parameter index, full tensors) at every
         sharding stage, so it loads into an unsharded optimizer, and a state saved at one stage
         loads at another. With sharding the state is spread over the ranks and is gathered
-        first: it is a collective, every rank calls it and every rank gets all of it (save it
-        on rank 0).
+        first: it is a collective, every rank calls it and every rank gets all of it, in host
+        memory (save it on rank 0).
 
         Example:
             >>> sd = opt.state_dict()               # every rank
@@ -267,9 +267,12 @@ def _consolidated(inner: torch.optim.Optimizer) -> dict:
 
 
 def _full_tensors(sd: dict) -> dict:
-    """``sd`` with every ``DTensor`` of its state gathered into a plain full tensor (a
-    collective over the tensor's mesh, which FSDP2 puts under sharding stages 2 and 3)."""
-    state = {index: {k: v.full_tensor() if is_dtensor(v) else v for k, v in entry.items()}
+    """``sd`` with every ``DTensor`` of its state gathered into a plain full tensor in host
+    memory (a collective over the tensor's mesh, which FSDP2 puts under sharding stages 2 and
+    3). The whole state of a sharded model may not fit one device: one tensor at a time is
+    whole there, as ZeroRedundancyOptimizer's consolidation at stage 1 keeps its copy on the
+    host too."""
+    state = {index: {k: v.full_tensor().cpu() if is_dtensor(v) else v for k, v in entry.items()}
              for index, entry in sd["state"].items()}
     return dict(sd, state=state)
 
