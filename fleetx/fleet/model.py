@@ -216,7 +216,7 @@ def _add_prefix(module: nn.Module, state_dict: dict, prefix: str, *args: Any) ->
     # A full tensor meant for a sharded parameter becomes that parameter's shard (each rank
     # cuts its own from the full tensor it was given: no communication).
     inner = prefix + "module."
-    sharded = {name: p for name, p in module.module.named_parameters()
+    sharded = {name: p for name, p in module.module.named_parameters(remove_duplicate=False)
                if is_dtensor(p)}
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         value, name = state_dict.pop(key), key[len(prefix):]

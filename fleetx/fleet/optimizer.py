@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fleetx.optim.wrapper import OptimizerWrapper
+from fleetx.parallel.api import is_dtensor
 from fleetx.parallel.clip import clip_grad_norm_
 
 __all__ = ["DistributedOptimizer"]
@@ -195,13 +196,21 @@ class DistributedOptimizer(OptimizerWrapper):
             hook(float(value))
 
     def state_dict(self) -> dict:  # type: ignore[override]
-        """The inner optimizer's state dict, plus strategy state under ``"fleetx"`` if any.
+        """The inner optimizer's whole state, as plain tensors, plus strategy state under
+        ``"fleetx"`` if any.
 
-        With sharding stage 1 the state is spread over the sharding group: it is gathered
-        first (a collective: every rank calls it) and every rank gets all of it, in the plain
-        optimizer's format, so it loads into an unsharded optimizer too.
+        It has the plain optimizer's format (state by parameter index, full tensors) at every
+        sharding stage, so it loads into an unsharded optimizer, and a state saved at one stage
+        loads at another. With sharding the state is spread over the ranks and is gathered
+        first: it is a collective, every rank calls it and every rank gets all of it, in host
+        memory (save it on rank 0).
+
+        Example:
+            >>> sd = opt.state_dict()               # every rank
+            >>> if fleet.is_first_worker():
+            ...     torch.save(sd, "opt.pt")
         """
-        sd = _consolidated(self.inner)
+        sd = _full_tensors(_consolidated(self.inner))
         extra = {k: v.state_dict() if hasattr(v, "state_dict") else v
                  for k, v in self._ctx.state.items()}
         if extra:
@@ -209,10 +218,17 @@ class DistributedOptimizer(OptimizerWrapper):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
-        """Load what :meth:`state_dict` returned (the inner optimizer's and the strategies')."""
+        """Load what :meth:`state_dict` returned (the inner optimizer's and the strategies'),
+        or a plain optimizer's state dict over the same parameter groups. Every rank loads the
+        whole dict; a sharded rank keeps its own share of each tensor.
+
+        Raises:
+            ValueError: a state tensor's shape is not its parameter's (the dict belongs to
+                another model).
+        """
         state_dict = dict(state_dict)
         extra = state_dict.pop("fleetx", {})
-        self.inner.load_state_dict(state_dict)
+        self.inner.load_state_dict(_sharded_like(self.inner, state_dict))
         for key, value in extra.items():
             target = self._ctx.state.get(key)
             if hasattr(target, "load_state_dict"):
@@ -248,3 +264,46 @@ def _consolidated(inner: torch.optim.Optimizer) -> dict:
     group = inner.process_group
     dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
     return holder[0]
+
+
+def _full_tensors(sd: dict) -> dict:
+    """``sd`` with every ``DTensor`` of its state gathered into a plain full tensor in host
+    memory (a collective over the tensor's mesh, which FSDP2 puts under sharding stages 2 and
+    3). The whole state of a sharded model may not fit one device: one tensor at a time is
+    whole there, as ZeroRedundancyOptimizer's consolidation at stage 1 keeps its copy on the
+    host too."""
+    state = {index: {k: v.full_tensor().cpu() if is_dtensor(v) else v for k, v in entry.items()}
+             for index, entry in sd["state"].items()}
+    return dict(sd, state=state)
+
+
+def _sharded_like(inner: torch.optim.Optimizer, sd: dict) -> dict:
+    """``sd`` with each full state tensor of a ``DTensor`` parameter cut to this rank's share,
+    laid out as the parameter is (each rank holds the whole tensor: no communication).
+
+    Raises:
+        ValueError: a state tensor is neither a scalar nor of its parameter's shape.
+    """
+    params = [p for group in inner.param_groups for p in group["params"]]
+    state = {}
+    for index, entry in sd.get("state", {}).items():
+        param = params[index] if isinstance(index, int) and index < len(params) else None
+        state[index] = entry if not is_dtensor(param) else {
+            key: _shard_of(value, param, index, key) for key, value in entry.items()}
+    return dict(sd, state=state)
+
+
+def _shard_of(value: Any, param: Any, index: int, key: str) -> Any:
+    """This rank's share of the full state tensor ``value`` of the ``DTensor`` ``param``;
+    a scalar (Adam's ``step``) or a value already sharded as it is."""
+    if not isinstance(value, torch.Tensor) or is_dtensor(value) or value.dim() == 0:
+        return value
+    if value.shape != param.shape:
+        raise ValueError(
+            f"optimizer state {key!r} of parameter {index} has shape {tuple(value.shape)}, the "
+            f"parameter {tuple(param.shape)}: the state dict was saved for another model or "
+            f"other parameter groups")
+    from torch.distributed.tensor import distribute_tensor  # loaded: param is a DTensor
+
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=None)

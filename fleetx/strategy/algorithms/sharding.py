@@ -15,9 +15,11 @@ sharded, on PyTorch's own engines (``sharding_engine.py``):
 
 Stages 2 and 3 change the user's module in place when it is given to ``distributed_model``
 (parameters become ``DTensor`` shards); no DDP runs, and an optimizer built before is rebuilt
-over the shards. With ``dp_degree`` > 1 (``hybrid_dp``) the sharding groups are replicated over
-data-parallel groups: stage 1 shards over its group under world-wide DDP, stages 2 and 3 use
-FSDP2's 2-D ``(replicate, shard)`` mesh. The degrees follow :mod:`fleetx.strategy.topology`.
+over the shards (its class, groups and the defaults its constructor takes), after every rank
+took rank 0's parameters and buffers, as DDP does at stage 1. With ``dp_degree`` > 1
+(``hybrid_dp``) the sharding groups are replicated over data-parallel groups: stage 1 shards
+over its group under world-wide DDP, stages 2 and 3 use FSDP2's 2-D ``(replicate, shard)``
+mesh. The degrees follow :mod:`fleetx.strategy.topology`.
 At stages 2 and 3 every forward gathers parameters, an eval forward too: it first waits for
 every rank to come to one, and a rank that does not is an error naming it (``eval_guard``).
 Results equal plain data parallel (to rounding): every stage computes the same averaged

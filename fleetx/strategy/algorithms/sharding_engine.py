@@ -8,7 +8,8 @@
   place: first to each sub-module unit (:func:`sharding_units`), then to the root, so at stage 3
   a unit's parameters are gathered for its forward and freed after it. Parameters become
   ``DTensor`` shards; gradients are reduce-scattered, so no DDP runs. :func:`rebound_optimizer`
-  then gives the optimizer the new parameters.
+  then gives the optimizer the new parameters. Every rank first takes rank 0's parameters and
+  buffers (:func:`broadcast_from_rank0`), so the sharded model starts where DDP's would.
 
 Both are idempotent: the fleet re-plans at every ``distributed_model`` / ``distributed_optimizer``
 call, and a second call finds the module already sharded (a record on the module) and the
@@ -17,6 +18,7 @@ optimizer already rebuilt (a record on the user's optimizer).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -35,8 +37,8 @@ from fleetx.strategy.api import StrategyError
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["ShardRecord", "sharding_units", "shard_in_place", "eval_guard", "rebound_optimizer",
-           "zero_optimizer", "sharding_group"]
+__all__ = ["ShardRecord", "sharding_units", "shard_in_place", "broadcast_from_rank0", "eval_guard",
+           "rebound_optimizer", "zero_optimizer", "sharding_group"]
 
 # The record a sharded module carries, and the optimizers built for a user's optimizer.
 _RECORD = "_fleetx_sharding"
@@ -117,7 +119,8 @@ def device_mesh(device: str, mesh_shape: tuple[int, int]) -> Any:
 def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
                    device: str) -> ShardRecord:
     """Apply FSDP2 ``fully_shard`` to ``model`` in place (stage 2 keeps the parameters gathered
-    from forward to backward, stage 3 frees them after each unit's forward); a module already
+    from forward to backward, stage 3 frees them after each unit's forward), after giving every
+    rank rank 0's parameters and buffers (:func:`broadcast_from_rank0`); a module already
     sharded the same way is left as it is.
 
     Args:
@@ -143,6 +146,8 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
         return record
     from torch.distributed.fsdp import fully_shard  # on use, as ZeroRedundancyOptimizer
 
+    broadcast_from_rank0(model)  # start from rank 0's initialisation, as DDP does
+
     record = ShardRecord(stage, tuple(mesh_shape))
     for name, p in model.named_parameters():
         record.names[p] = name
@@ -153,6 +158,38 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     model.__dict__[_RECORD] = record
     return record
+
+
+def broadcast_from_rank0(model: nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers, in place, as
+    ``DistributedDataParallel`` does when it wraps a module.
+
+    Ranks seeded apart (nanoGPT seeds ``1337 + rank``) build different initial weights; FSDP2
+    keeps each rank's own shard of its own weights, so without this the sharded model would
+    start from a mix of every rank's initialisation. Every rank must call it (a collective
+    over the whole world); a parameter tied to another is sent once.
+
+    Args:
+        model: the user's module, before it is sharded.
+
+    Example::
+
+        broadcast_from_rank0(model)   # on every rank, then fully_shard
+    """
+    tensors = list(model.parameters()) + list(model.buffers())
+    with torch.no_grad():
+        works = [dist.broadcast(t.data, src=0, group=_init_group(t), async_op=True)
+                 for t in tensors]
+        for work in works:
+            work.wait()
+
+
+def _init_group(tensor: torch.Tensor) -> Any:
+    """The world group that can send ``tensor``: the default one, or a gloo group for a
+    host tensor when the default backend is a device's only (nccl)."""
+    if tensor.device.type == "cpu" and "gloo" not in str(dist.get_backend()):
+        return _own_group("init")
+    return None
 
 
 def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], ContextManager]:
@@ -222,22 +259,52 @@ def _cached(optimizer: torch.optim.Optimizer, key: tuple,
     if optimizer.state:
         raise StrategyError(
             f"sharding: the {type(optimizer).__name__} given to fleet.distributed_optimizer "
-            f"already holds state (it has stepped); sharding rebuilds it over the sharded "
-            f"parameters and would drop that state: create the optimizer fresh, or load its "
-            f"state after distributed_optimizer")
+            f"already holds state (it has stepped, or a state was loaded into it); sharding "
+            f"rebuilds it over the sharded parameters and would drop that state: create the "
+            f"optimizer fresh, and load a saved state with opt.load_state_dict once both "
+            f"fleet.distributed_model and fleet.distributed_optimizer were called")
     new = build()
     optimizer.__dict__[_BUILT] = (key, new)
     return new
 
 
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.defaults`` less the keys its class's constructor does not take.
+
+    A class may record a default it sets itself and refuses as an argument (torch 2.13's
+    ``AdamW`` records ``decoupled_weight_decay=True``): passing every default back would fail.
+    The groups carry every default of their own, so nothing the constructor drops is lost.
+
+    Example:
+        >>> w = torch.optim.AdamW([nn.Parameter(torch.ones(1))])
+        >>> "decoupled_weight_decay" in _constructor_defaults(w)
+        False
+    """
+    params = inspect.signature(type(optimizer).__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(optimizer.defaults)
+    accepted = {p.name for p in params}
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
-    """A new optimizer of ``optimizer``'s class and defaults over ``groups``.
+    """A new optimizer of ``optimizer``'s class and defaults over ``groups`` (each group keeps
+    its own values: weight decay on some groups only stays so).
 
     Raises:
         StrategyError: the class does not accept its own defaults as keyword arguments.
     """
+    return _rebuilt(optimizer, lambda **defaults: type(optimizer)(groups, **defaults))
+
+
+def _rebuilt(optimizer: torch.optim.Optimizer, make: Callable[..., Any]) -> Any:
+    """``make(**defaults)`` with the defaults ``optimizer``'s constructor takes.
+
+    Raises:
+        StrategyError: the constructor refused them (a ``TypeError``).
+    """
     try:
-        return type(optimizer)(groups, **optimizer.defaults)
+        return make(**_constructor_defaults(optimizer))
     except TypeError as err:
         raise StrategyError(
             f"sharding: cannot rebuild {type(optimizer).__name__} over the sharded parameters "
@@ -308,7 +375,8 @@ def zero_optimizer(optimizer: torch.optim.Optimizer,
         group: the sharding group (None: the default group), see :func:`sharding_group`.
 
     Raises:
-        StrategyError: the user's optimizer already holds state.
+        StrategyError: the user's optimizer already holds state, or its class does not accept
+            its own defaults as keyword arguments.
     """
     # the engines are imported when a plan shards, not with fleetx: a process that never
     # shards does not pay for them at start-up
@@ -316,5 +384,6 @@ def zero_optimizer(optimizer: torch.optim.Optimizer,
 
     groups = [dict(g) for g in optimizer.param_groups]
     key = ("zero", id(group), tuple(id(p) for g in groups for p in g["params"]))
-    return _cached(optimizer, key, lambda: ZeroRedundancyOptimizer(
-        groups, optimizer_class=type(optimizer), process_group=group, **optimizer.defaults))
+    return _cached(optimizer, key, lambda: _rebuilt(optimizer, lambda **defaults: (
+        ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), process_group=group,
+                                **defaults))))
