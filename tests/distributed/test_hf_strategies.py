@@ -4,8 +4,8 @@ labels=x)``, ``opt.minimize(out.loss)``, ``model.generate(...)``.
 
 In float64 with Adam (a formula, so 1e-9), 2 processes each on half of every batch end with the
 parameters of 1 plain process trained on the union batches: data parallel (with and without
-``find_unused_parameters``), sharding stages 1, 2 and 3 (Adam, not AdamW: stage 1 with AdamW is
-refused by torch 2.13's AdamW today), gradient merge (1 process on the union of the merged
+``find_unused_parameters``), sharding stages 1, 2 and 3 (Adam; AdamW with nanoGPT's two groups at
+every stage is tests/distributed/test_recipe_sharding.py), gradient merge (1 process on the union of the merged
 micro-batches), recompute by class (GPT-2's ``GPT2Block``) or by a glob of names (Llama's ``model.layers.*``;
 each block's MLP then runs twice per step),
 ``auto``, and ``save_checkpoint`` / ``load_checkpoint`` (resumed in a fresh fleet from other
