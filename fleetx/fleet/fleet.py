@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from fleetx import env
-from fleetx.comm.groups import ProcessGroups, pick_backend
+from fleetx.comm.groups import ProcessGroups, join_alone, leave_alone, pick_backend
 from fleetx.fleet import applied
 from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerError: re-exported
 from fleetx.fleet.checkpoints import CheckpointCalls
@@ -51,6 +51,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._role_maker: Optional[RoleMakerBase] = None
         self._strategy: Optional[DistributedStrategy] = None
         self._comm: Optional[ProcessGroups] = None
+        self._alone = False  # this fleet created the one-rank group of a one-process job
         self._backend: Optional[str] = None
         self._models: list = []
         # models a strategy module wrapped itself (register_model_type: a pipeline's stage)
@@ -86,7 +87,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             role_maker: where the role comes from; default ``PaddleCloudRoleMaker`` (environment).
             is_collective: collective (allreduce) job rather than parameter server. Under a
                 collective launcher with no parameter servers (``WORLD_SIZE``, ``RANK`` or
-                ``PADDLE_TRAINER_ENDPOINTS`` set) the job is collective either way.
+                ``PADDLE_TRAINER_ENDPOINTS`` set) the job is collective either way. A
+                collective job of one process (``python script.py``) gets a one-rank default
+                process group, as torchrun's single process has, unless the script made one.
             strategy: the :class:`DistributedStrategy` (copied; later edits do not reach fleet).
 
         Raises:
@@ -111,6 +114,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         if self._comm is not None and (self._comm.rank, self._comm.world_size) != (
                 role_maker._worker_index(), role_maker._worker_num()):
             self._shutdown()  # a re-init into another world leaves the old one
+        if role_maker._worker_num() > 1:
+            leave_alone()  # a one-process fleet's one-rank group (this one's or another's)
+            self._alone = False
         self._role_maker = role_maker
         self._ctx, self._plan, self._models, self._search = None, None, [], None
         self._claimed = []
@@ -125,6 +131,8 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             launched = isinstance(role_maker, PaddleCloudRoleMaker)
             if launched and role_maker._worker_num() > 1 and not self._dry_run():
                 self._communicator()
+            elif role_maker._worker_num() == 1 and not self._dry_run():
+                self._join_alone()
             self._init_hybrid(topology)
         else:
             self._clear_hybrid()
@@ -170,12 +178,21 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
                 rm._set_trainer_endpoints(self._comm.endpoints)
         return self._comm
 
+    def _join_alone(self) -> None:
+        """A one-process collective job gets a one-rank default group, as under torchrun."""
+        if join_alone(self._backend):
+            self._alone = True
+            atexit.register(self._shutdown)
+
     def _shutdown(self) -> None:
         """Leave the world: destroy the process groups and release the store (also at exit)."""
         self._clear_hybrid()  # its groups go with the world's
         if self._comm is not None:
             self._comm.close()
             self._comm = None
+        if self._alone:
+            leave_alone()
+            self._alone = False
 
     # -- role queries --------------------------------------------------------------------------
     def barrier_worker(self) -> None:

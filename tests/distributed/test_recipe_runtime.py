@@ -1,0 +1,149 @@
+"""The transformer recipe's runtime habits (issue 21, item 3).
+
+* A one-process run (``python script.py``, and ``fleetrun --nproc_per_node 1``'s environment)
+  has a one-rank default process group after ``fleet.init(is_collective=True)``:
+  ``DistributedSampler()``, ``dist.get_rank()`` and ``dist.all_reduce`` work as under
+  torchrun's one process; a group the script made itself is kept, and the one fleetx made goes
+  at shutdown.
+* On 2 processes, one spawn: ``if rank == 0: fleet.save_checkpoint(...)`` (rank 1 goes on into
+  the next step's all-reduce) is a ``CommError`` on rank 0 within a few seconds naming rank 1
+  and the fix, and training goes on once rank 0 joins the step; a rank that calls
+  ``load_checkpoint`` while the other saves is named on both; a rank merely late (it sleeps,
+  still reporting) is waited for; a save on both ranks still saves; and the entry costs little
+  (its mean time is returned, and bounded).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spawn import run_and_load  # noqa: E402
+
+from fleetx import DistributedStrategy  # noqa: E402
+from fleetx.fleet import Fleet  # noqa: E402
+
+LATE_S = 2.5      # longer than two report intervals: a late rank must not be taken as gone
+NAMED_WITHIN_S = 5.0
+
+
+@pytest.mark.parametrize("launched", [False, True], ids=["python", "fleetrun_nproc_1"])
+def test_a_one_process_run_has_a_one_rank_process_group(one_process, monkeypatch, launched):
+    if launched:  # what fleetrun --nproc_per_node 1 (torch elastic) sets
+        for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                                LOCAL_WORLD_SIZE="1").items():
+            monkeypatch.setenv(name, value)
+    assert not dist.is_initialized()
+    f = Fleet()
+    f.init(is_collective=True)
+    assert dist.is_initialized() and (dist.get_rank(), dist.get_world_size()) == (0, 1)
+    t = torch.tensor([3.0])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+    sampler = torch.utils.data.DistributedSampler(list(range(5)), shuffle=False)
+    assert list(sampler) == [0, 1, 2, 3, 4]
+    f.init(is_collective=True)  # a second init keeps the group
+    assert dist.is_initialized()
+    f._shutdown()
+    assert not dist.is_initialized()
+
+
+def test_a_group_the_script_made_is_kept(one_process, tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mine = dist.group.WORLD
+        f = Fleet()
+        f.init(is_collective=True)
+        f._shutdown()
+        assert dist.is_initialized() and dist.group.WORLD is mine
+    finally:
+        dist.destroy_process_group()
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _step(model, opt, rank: int, step: int) -> None:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    opt.minimize(nn.functional.mse_loss(model(torch.randn(4, 4, generator=g)),
+                                        torch.randn(4, 2, generator=g)))
+
+
+def _timed_error(call) -> tuple:
+    from fleetx.comm.api import CommError
+    start = time.monotonic()
+    try:
+        call()
+    except CommError as err:
+        return str(err), time.monotonic() - start
+    return "", time.monotonic() - start
+
+
+def _guard_cases(rank: int, world: int, out: str) -> None:
+    from fleetx import fleet
+    fleet.init(is_collective=True)
+    model = fleet.distributed_model(_net())
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ckpt, res = os.path.join(out, "ckpt"), {}
+    # A late rank is waited for, and a save on every rank saves.
+    _step(model, opt, rank, 0)
+    if rank == 1:
+        time.sleep(LATE_S)
+    res["late"] = _timed_error(lambda: fleet.save_checkpoint(ckpt, extra={"step": 1}))
+    res["loaded"] = fleet.load_checkpoint(ckpt)
+    dist.barrier()
+    start, n = time.monotonic(), 50
+    for _ in range(n):
+        fleet._fleet._enter("fleet.bench")
+    res["entry_s"] = (time.monotonic() - start) / n
+    # The DDP save guard: rank 1 goes on into the next step's all-reduce.
+    if rank == 0:
+        res["guarded"] = _timed_error(lambda: fleet.save_checkpoint(ckpt))
+    _step(model, opt, rank, 1)  # rank 0 joins the step rank 1 waits in: training goes on
+    # Different fleetx calls: each rank names the other (last: the ranks are out of step after).
+    res["mixed"] = _timed_error(
+        (lambda: fleet.save_checkpoint(ckpt)) if rank == 0 else (lambda: fleet.load_checkpoint(
+            ckpt)))
+    _step(model, opt, rank, 2)
+    res["state"] = model.state_dict()
+    torch.save(res, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def guard_ranks(tmp_path_factory):
+    return run_and_load(_guard_cases, 2, tmp_path_factory.mktemp("recipe_guard"), deadline=120)
+
+
+def test_a_save_on_rank_0_alone_is_named_at_once(guard_ranks):
+    text, took = guard_ranks[0]["guarded"]
+    assert text.startswith("fleet.save_checkpoint() is a collective: rank 0 called it, rank(s) "
+                           "1 did not (rank 1 went on into a collective of its own"), text
+    assert "Call it on every rank (it writes from rank 0 alone" in text
+    assert took < NAMED_WITHIN_S
+    a, b = (r["state"] for r in guard_ranks)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # training went on in step
+
+
+def test_ranks_in_different_fleetx_calls_name_each_other(guard_ranks):
+    (text0, took0), (text1, took1) = (r["mixed"] for r in guard_ranks)
+    assert "rank 1 called fleet.load_checkpoint() instead" in text0
+    assert "rank 0 called fleet.save_checkpoint() instead" in text1
+    assert max(took0, took1) < NAMED_WITHIN_S
+
+
+def test_a_late_rank_is_waited_for_and_the_entry_costs_little(guard_ranks):
+    for r in guard_ranks:
+        assert r["late"][0] == "" and r["loaded"] == {"step": 1}
+    assert guard_ranks[0]["late"][1] >= LATE_S - 0.5  # rank 0 waited for rank 1
+    # one store write and a few reads per rank: well under a millisecond's order on loopback
+    assert max(r["entry_s"] for r in guard_ranks) < 0.02, [r["entry_s"] for r in guard_ranks]
