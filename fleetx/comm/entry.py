@@ -10,13 +10,16 @@ reads what the missing ranks publish (:mod:`fleetx.comm.progress`, once a second
 soon as one of them
 
 * entered another fleetx call instead (its announcement names a different call),
-* entered a collective this rank never entered (its call count on a group both share is past
-  this rank's: it went on, and waits there for this rank, which waits here for it), or
+* entered a collective this rank never entered (its call count on the default process group is
+  past this rank's: it went on, into the next step's all-reduce say, and waits there for this
+  rank, which waits here for it), or
 * stopped reporting (exited or frozen),
 
-which takes one or two report intervals, not the collective timeout. A rank that is merely
+which takes one or two report intervals (about a second), not the collective timeout. A rank
+that went on into collectives of other groups only (a hybrid layout's data-parallel group) is
+named when the timeout ends, as any rank that does not come. A rank that is merely
 late (still computing, evaluating on its own) keeps reporting and makes no call, so it is waited
-for, up to the timeout. The entry costs each rank one store write and a few reads.
+for, up to the timeout. The entry costs each rank two store writes and a few reads.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ __all__ = ["enter"]
 _KEY = "entry/{rank}"          # the latest fleetx call a rank entered: {"what": ..., "n": ...}
 _DONE = "entered/{what}/{n}/{rank}"
 _FIRST_POLL_S, _POLL_S = 0.001, 0.05
+_DEFAULT = "0"                 # the default group's name in the progress reports
 
 
 class Entries:
@@ -95,11 +99,13 @@ def _elsewhere(store: Any, peer: int, what: str, rank_count: int, mine: dict,
         return None
     if record.silent(interval, time.time()):
         return f"rank {peer} stopped reporting (it exited or is frozen)"
-    ahead = sorted(g for g, seq in record.seqs.items() if g in mine and seq > mine[g])
-    if ahead:
-        return (f"rank {peer} went on into a collective of its own (call "
-                f"#{record.seqs[ahead[0]]} on process group {ahead[0]}, which this rank has "
-                f"not entered)")
+    # The default group only: its calls are collectives every rank makes (data parallel's
+    # all-reduce, the script's own), whereas a pipeline's sends and receives, which torch
+    # numbers too, leave the middle stages' counts above the first's on the pipe groups.
+    if record.seqs.get(_DEFAULT, 0) > mine.get(_DEFAULT, 0):
+        return (f"rank {peer} went on into a collective of its own: call "
+                f"#{record.seqs[_DEFAULT]} on the default process group, which this rank has "
+                f"not entered")
     return None
 
 
