@@ -18,7 +18,7 @@ import torch
 
 from fleetx import env
 from fleetx.comm.groups import ProcessGroups, join_alone, leave_alone, pick_backend
-from fleetx.fleet import applied
+from fleetx.fleet import applied, consolidate
 from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerError: re-exported
 from fleetx.fleet.checkpoints import CheckpointCalls
 from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
@@ -62,6 +62,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._plan: Optional[Plan] = None
         self._search: Any = None  # what strategy.auto measured and chose, once it has
         self._util = UtilBase(self)
+        self._skeletons: dict = {}  # id(DistributedModel) -> its model's skeleton
         self._warned: set = set()
 
     @property
@@ -286,6 +287,8 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
                 self._dist_optimizer._ctx = self._build_context()
             return build(model, self._strategy, self._context)
         wrapped = DistributedModel(model, self._context)
+        # before a strategy changes the model in place: what consolidated_model rebuilds
+        self._skeletons[id(wrapped)] = consolidate.skeleton(model)
         self._models.append(wrapped)
         self._ctx = None  # re-plan with the model known
         if self._dist_optimizer is not None:
@@ -294,6 +297,35 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         elif self._shapes_model():
             self._build_context()  # the model changes now, before its parameters are read
         return wrapped
+
+    def consolidated_model(self, model: Any) -> torch.nn.Module:
+        """A plain copy of a distributed model, to evaluate or ``generate`` on one rank.
+
+        Every rank calls it (at sharding stages 2 and 3 the full state is gathered, a
+        collective); the copy is a module of the model's own class holding whole tensors on the
+        model's device, with no fleetx hook, so any one rank may then run it alone (the others
+        may drop it). It is a copy: training the distributed model does not change it.
+
+        Args:
+            model: what ``fleet.distributed_model`` returned (or the model given to it).
+
+        Returns:
+            The plain model, in the training mode of ``model``.
+
+        Raises:
+            ValueError: ``model`` did not come from ``fleet.distributed_model``.
+            fleetx.comm.api.CommError: another rank did not call it (named within seconds).
+
+        Example:
+            >>> plain = fleet.consolidated_model(model)        # every rank
+            >>> if fleet.worker_index() == 0:
+            ...     print(plain.eval().generate(ids, max_new_tokens=20))
+        """
+        self._rm("consolidated_model")
+        wrapped = consolidate.find_wrapped(self._models, model, "consolidated_model")
+        self._enter("fleet.consolidated_model")
+        state = wrapped.state_dict()
+        return consolidate.plain_copy(self._skeletons[id(wrapped)], state, wrapped.training)
 
     def _shapes_model(self) -> bool:
         """Whether an applied strategy changes the model in place (a dry run changes

@@ -11,6 +11,11 @@
   ``load_checkpoint`` while the other saves is named on both; a rank merely late (it sleeps,
   still reporting) is waited for; a save on both ranks still saves; and the entry costs little
   (its mean time is returned, and bounded).
+* One-rank evaluation, on Hugging Face GPT-2 under data parallel and sharding stages 2 and 3:
+  every rank calls ``fleet.consolidated_model(model)``; rank 0 alone then runs the copy's
+  forward (equal to an eval forward of the wrapped model on every rank, 1e-5) and greedy
+  ``generate`` (equal to the wrapped model's ``generate`` on every rank), and training goes on
+  in step afterwards.
 """
 from __future__ import annotations
 
@@ -147,3 +152,64 @@ def test_a_late_rank_is_waited_for_and_the_entry_costs_little(guard_ranks):
     assert guard_ranks[0]["late"][1] >= LATE_S - 0.5  # rank 0 waited for rank 1
     # one store write and a few reads per rank: well under a millisecond's order on loopback
     assert max(r["entry_s"] for r in guard_ranks) < 0.02, [r["entry_s"] for r in guard_ranks]
+
+
+# -- one-rank evaluation: fleet.consolidated_model --------------------------------------------
+def _hf_stage(fleet, stage):
+    import warnings
+
+    from hf_models import gpt2
+    s = fleet.DistributedStrategy()
+    if stage:
+        s.sharding, s.sharding_configs = True, {"stage": stage}
+    fleet.init(is_collective=True, strategy=s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = fleet.distributed_model(gpt2())
+        opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return model, opt
+
+
+def _eval_cases(rank: int, world: int, out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from hf_models import batch
+
+    from fleetx import fleet
+    ids, prompt, res = batch(4), batch(1, length=4, seed=7), {}
+    for stage in (0, 2, 3):
+        model, opt = _hf_stage(fleet, stage)
+        opt.minimize(model(ids[2 * rank:2 * rank + 2], labels=ids[2 * rank:2 * rank + 2]).loss)
+        model.eval()
+        with torch.no_grad():  # the reference: an eval forward and generate on every rank
+            every = model(ids).logits
+        tokens = model.generate(prompt, max_new_tokens=5, do_sample=False)
+        model.train()
+        plain = fleet.consolidated_model(model)  # every rank
+        got = {"every": every, "every_tokens": tokens, "type": type(plain).__name__,
+               "training": plain.training}
+        if rank == 0:  # rank 0 alone: nothing here may wait for rank 1
+            plain.eval()
+            with torch.no_grad():
+                got["plain"] = plain(ids).logits
+            got["tokens"] = plain.generate(prompt, max_new_tokens=5, do_sample=False)
+        del plain
+        opt.minimize(model(ids[2 * rank:2 * rank + 2], labels=ids[2 * rank:2 * rank + 2]).loss)
+        got["state"] = model.state_dict()  # training went on in step on both ranks
+        res[stage] = got
+    torch.save(res, f"{out}/rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def eval_ranks(tmp_path_factory):
+    return run_and_load(_eval_cases, 2, tmp_path_factory.mktemp("recipe_eval"), deadline=300)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_consolidated_copy_evaluates_and_generates_on_one_rank(eval_ranks, stage):
+    zero, one = eval_ranks[0][stage], eval_ranks[1][stage]
+    assert zero["type"] == "GPT2LMHeadModel" and zero["training"] is True
+    assert torch.allclose(zero["plain"], zero["every"], rtol=0, atol=1e-5)
+    assert torch.equal(zero["every"], one["every"])
+    assert zero["tokens"].shape == (1, 9)
+    assert torch.equal(zero["tokens"], zero["every_tokens"])  # generate on every rank, wrapped
+    assert all(torch.equal(zero["state"][k], one["state"][k]) for k in zero["state"])
