@@ -213,3 +213,19 @@ def test_a_consolidated_copy_evaluates_and_generates_on_one_rank(eval_ranks, sta
     assert zero["tokens"].shape == (1, 9)
     assert torch.equal(zero["tokens"], zero["every_tokens"])  # generate on every rank, wrapped
     assert all(torch.equal(zero["state"][k], one["state"][k]) for k in zero["state"])
+
+
+def test_a_blame_raised_with_its_error_is_left_for_fleetrun(tmp_path):
+    """An eval guard's CommError carries the ranks that did not come; the excepthook leaves
+    them for fleetrun's ABORT line (not a diagnosis naming the rank that raised)."""
+    from fleetx.comm.api import Blame, CommError, read_fault
+    from fleetx.comm.blame import Watch
+    watch = Watch(dist.HashStore(), 0, 60.0, str(tmp_path), 1.0)
+    error = CommError("rank(s) 1 did not run one")
+    error._fleetx_blame = Blame(0, os.getpid(), (1,), "rank(s) 1 did not come")
+    try:
+        raise RuntimeError("wrapped") from error
+    except RuntimeError as exc:
+        watch._previous_hook = lambda *_: None  # do not print the traceback
+        watch._excepthook(type(exc), exc, exc.__traceback__)
+    assert read_fault(str(tmp_path), 0, os.getpid()) == error._fleetx_blame

@@ -8,8 +8,9 @@ A forward of a sharded model gathers its parameters, a collective, also in eval 
 * to evaluate on one rank, every rank calls ``model.state_dict()`` (full tensors) and that rank
   evaluates a plain model loaded from it: the same outputs, and training goes on;
 * an eval forward on one rank alone is refused after the collective timeout (``FLEETX_TIMEOUT``,
-  5 s here) with a ``CommError`` naming the rank that did not come, on whichever rank is alone,
-  instead of pairing with the other rank's training collectives.
+  5 s here) with a ``CommError`` naming the rank that did not come (in its message and in the
+  blame fleetrun's ABORT line reads) and ``fleet.consolidated_model``, on whichever rank is
+  alone, instead of pairing with the other rank's training collectives.
 
 Every spawn has a deadline, so a regression that hangs fails instead.
 """
@@ -112,7 +113,7 @@ def _alone(rank: int, stage: int, lonely: int) -> str:
             with torch.no_grad():
                 model(torch.ones(1, 6))
         except CommError as err:
-            error = str(err)
+            error = (str(err), err._fleetx_blame.ranks)  # the ranks fleetrun's ABORT names
     dist.barrier()
     return error
 
@@ -164,7 +165,8 @@ def test_an_eval_forward_on_one_rank_alone_is_an_error_naming_the_missing_rank(r
     want = ("sharding stage {stage}: a forward in eval mode gathers the sharded parameters, a "
             "collective every rank must run, and rank(s) {missing} did not run one within "
             f"{GUARD_TIMEOUT} s (FLEETX_TIMEOUT); evaluate on every rank, or on one rank with a "
-            "plain model loaded from model.state_dict() (which every rank calls)")
-    assert ranks[0][3, "rank0_alone"] == want.format(stage=3, missing=1)
-    assert ranks[1][2, "rank1_alone"] == want.format(stage=2, missing=0)
+            "plain copy that every rank makes: plain = fleet.consolidated_model(model); "
+            "if rank == 0: evaluate(plain)")
+    assert ranks[0][3, "rank0_alone"] == (want.format(stage=3, missing=1), (1,))
+    assert ranks[1][2, "rank1_alone"] == (want.format(stage=2, missing=0), (0,))
     assert ranks[1][3, "rank0_alone"] == "" and ranks[0][2, "rank1_alone"] == ""

@@ -17,6 +17,7 @@ optimizer already rebuilt (a record on the user's optimizer).
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fleetx.comm.api import CommError
+from fleetx.comm.api import Blame, CommError
 from fleetx.strategy.api import StrategyError
 
 if TYPE_CHECKING:
@@ -186,17 +187,27 @@ def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], Con
                 dist.monitored_barrier(group, timeout=timedelta(seconds=timeout),
                                        wait_all_ranks=True)
             except RuntimeError as err:
-                # Rank 0 names the ranks that did not come; the others wait for rank 0 only.
-                missing = re.search(r"Ranks? ([\d, ]+) failed", str(err))
-                who = f"rank(s) {missing.group(1) if missing else 0}"
-                raise CommError(
-                    f"sharding stage {stage}: a forward in eval mode gathers the sharded "
-                    f"parameters, a collective every rank must run, and {who} did not run one "
-                    f"within {timeout:.0f} s (FLEETX_TIMEOUT); evaluate on every rank, or on "
-                    f"one rank with a plain model loaded from model.state_dict() (which every "
-                    f"rank calls)") from err
+                raise _eval_alone(stage, timeout, err) from err
         yield
     return guard
+
+
+def _eval_alone(stage: int, timeout: float, err: RuntimeError) -> CommError:
+    """The error of an eval forward the other ranks did not come to. It names those ranks, also
+    for fleetrun's ABORT line (its blame), not the rank that evaluates."""
+    # Rank 0 names the ranks that did not come; the others wait for rank 0 only.
+    found = re.search(r"Ranks? ([\d, ]+) failed", str(err))
+    missing = tuple(int(r) for r in found.group(1).split(",") if r.strip()) if found else (0,)
+    who = f"rank(s) {', '.join(map(str, missing))}"
+    error = CommError(
+        f"sharding stage {stage}: a forward in eval mode gathers the sharded parameters, a "
+        f"collective every rank must run, and {who} did not run one within {timeout:.0f} s "
+        f"(FLEETX_TIMEOUT); evaluate on every rank, or on one rank with a plain copy that every "
+        f"rank makes: plain = fleet.consolidated_model(model); if rank == 0: evaluate(plain)")
+    error._fleetx_blame = Blame(dist.get_rank(), os.getpid(), missing,
+                                f"{who} did not come to the eval forward of sharding stage "
+                                f"{stage} that rank {dist.get_rank()} ran")
+    return error
 
 
 def _own_group(purpose: str) -> Any:
