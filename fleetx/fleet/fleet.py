@@ -27,6 +27,7 @@ from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
 from fleetx.fleet.trial import apply_plan, run_trial
+from fleetx.parallel.api import is_dtensor
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
 from fleetx.fleet.util import UtilBase
 from fleetx.strategy.api import (Mode, Plan, StrategyError, TrainingContext, WorldInfo,
@@ -289,6 +290,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         wrapped = DistributedModel(model, self._context)
         # before a strategy changes the model in place: what consolidated_model rebuilds
         self._skeletons[id(wrapped)] = consolidate.skeleton(model)
+        wrapped.register_state_dict_pre_hook(self._state_dict_entry)
         self._models.append(wrapped)
         self._ctx = None  # re-plan with the model known
         if self._dist_optimizer is not None:
@@ -326,6 +328,12 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._enter("fleet.consolidated_model")
         state = wrapped.state_dict()
         return consolidate.plain_copy(self._skeletons[id(wrapped)], state, wrapped.training)
+
+    def _state_dict_entry(self, wrapped: torch.nn.Module, *_: Any) -> None:
+        """``state_dict`` of a sharded model gathers its parameters, a collective: the entry
+        names a rank that does not call it (``if rank == 0: torch.save(model.state_dict())``)."""
+        if any(is_dtensor(p) for p in wrapped.module.parameters()):
+            self._enter("model.state_dict")
 
     def _shapes_model(self) -> bool:
         """Whether an applied strategy changes the model in place (a dry run changes

@@ -15,7 +15,8 @@
   every rank calls ``fleet.consolidated_model(model)``; rank 0 alone then runs the copy's
   forward (equal to an eval forward of the wrapped model on every rank, 1e-5) and greedy
   ``generate`` (equal to the wrapped model's ``generate`` on every rank), and training goes on
-  in step afterwards.
+  in step afterwards. At stages 2 and 3 ``model.state_dict()`` on rank 0 alone (a gather) is
+  named within seconds while rank 1 trains on, and both then train on in step.
 """
 from __future__ import annotations
 
@@ -193,6 +194,8 @@ def _eval_cases(rank: int, world: int, out: str) -> None:
                 got["plain"] = plain(ids).logits
             got["tokens"] = plain.generate(prompt, max_new_tokens=5, do_sample=False)
         del plain
+        if rank == 0 and stage:  # the DDP habit: rank 1 goes on into the next training step
+            got["alone_state_dict"] = _timed_error(lambda: model.state_dict())
         opt.minimize(model(ids[2 * rank:2 * rank + 2], labels=ids[2 * rank:2 * rank + 2]).loss)
         got["state"] = model.state_dict()  # training went on in step on both ranks
         res[stage] = got
@@ -229,3 +232,11 @@ def test_a_blame_raised_with_its_error_is_left_for_fleetrun(tmp_path):
         watch._previous_hook = lambda *_: None  # do not print the traceback
         watch._excepthook(type(exc), exc, exc.__traceback__)
     assert read_fault(str(tmp_path), 0, os.getpid()) == error._fleetx_blame
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_sharded_state_dict_on_rank_0_alone_is_named_at_once(eval_ranks, stage):
+    text, took = eval_ranks[0][stage]["alone_state_dict"]
+    assert text.startswith("model.state_dict() is a collective: rank 0 called it, rank(s) 1 did "
+                           "not (rank 1 went on into a collective of its own"), text
+    assert took < NAMED_WITHIN_S
