@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 from fleetx.comm import progress
@@ -34,7 +35,7 @@ __all__ = ["enter"]
 
 _KEY = "entry/{rank}"          # the latest fleetx call a rank entered: {"what": ..., "n": ...}
 _DONE = "entered/{what}/{n}/{rank}"
-_FIRST_POLL_S, _POLL_S = 0.001, 0.05
+_CHECK_S = 0.2                 # seconds between looks at the missing ranks' reports
 _DEFAULT = "0"                 # the default group's name in the progress reports
 
 
@@ -70,8 +71,8 @@ def enter(store: Any, rank: int, world_size: int, what: str, entries: Entries,
     store.set(_DONE.format(what=what, n=n, rank=rank), "1")
     keys = [_DONE.format(what=what, n=n, rank=r) for r in range(world_size)]
     mine = progress.sequence_numbers()
-    start, wait = time.monotonic(), _FIRST_POLL_S
-    while not store.check(keys):
+    start = time.monotonic()
+    while not _arrived(store, keys):
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         elapsed = time.monotonic() - start
         why = [w for w in (_elsewhere(store, r, what, world_size, mine, interval)
@@ -82,8 +83,17 @@ def enter(store: Any, rank: int, world_size: int, what: str, entries: Entries,
             store.delete_key(_DONE.format(what=what, n=n, rank=rank))
             entries.counts[what] = n - 1
             raise CommError(_message(rank, what, missing, why, elapsed))
-        time.sleep(wait)
-        wait = min(2 * wait, _POLL_S)
+
+
+def _arrived(store: Any, keys: list) -> bool:
+    """Whether every key is set, waiting at most ``_CHECK_S`` for them: the store answers as
+    soon as the last one is set (no polling delay), and the caller looks at the missing ranks
+    between waits."""
+    try:
+        store.wait(keys, timedelta(seconds=_CHECK_S))
+        return True
+    except RuntimeError:  # torch.distributed.DistStoreError: not yet
+        return False
 
 
 def _elsewhere(store: Any, peer: int, what: str, rank_count: int, mine: dict,
