@@ -64,7 +64,8 @@ def enter(store: Any, rank: int, world_size: int, what: str, entries: Entries,
 
     Raises:
         CommError: a rank entered another call or collective, stopped, or did not come within
-            ``timeout``; the message names it and the fix.
+            ``timeout``; the message names it and the fix (its ``missing`` attribute holds the
+            ranks, its ``cause`` why they will not come).
     """
     n = entries.next(what)
     store.set(_KEY.format(rank=rank), json.dumps({"what": what, "n": n}))
@@ -82,7 +83,9 @@ def enter(store: Any, rank: int, world_size: int, what: str, entries: Entries,
             # so that a caller that recovers meets the others' next call of the same name.
             store.delete_key(_DONE.format(what=what, n=n, rank=rank))
             entries.counts[what] = n - 1
-            raise CommError(_message(rank, what, missing, why, elapsed))
+            error = CommError(_message(rank, what, missing, why, elapsed))
+            error.missing, error.cause = tuple(missing), _cause(why, elapsed)
+            raise error
 
 
 def _arrived(store: Any, keys: list) -> bool:
@@ -126,10 +129,14 @@ def _read(store: Any, key: str) -> Optional[dict]:
         return None
 
 
+def _cause(why: Sequence[str], elapsed: float) -> str:
+    return "; ".join(why) if why else f"they did not come within {elapsed:.0f} s"
+
+
 def _message(rank: int, what: str, missing: Sequence[int], why: Sequence[str],
              elapsed: float) -> str:
     ranks = ", ".join(str(r) for r in missing)
-    cause = "; ".join(why) if why else f"they did not come within {elapsed:.0f} s"
+    cause = _cause(why, elapsed)
     return (f"{what}() is a collective: rank {rank} called it, rank(s) {ranks} did not "
             f"({cause}). Call it on every rank (it writes from rank 0 alone where it writes "
             f"one copy); a guard such as `if rank == 0:` around it leaves the others out")

@@ -25,8 +25,8 @@ from fleetx.comm import debug, entry
 from fleetx.comm.api import Blame, CommError, check_call
 from fleetx.comm.blame import Watch
 
-__all__ = ["CommError", "ProcessGroups", "default_timeout", "join_alone", "leave_alone",
-           "pick_backend"]
+__all__ = ["CommError", "ProcessGroups", "current", "default_timeout", "join_alone",
+           "leave_alone", "pick_backend"]
 
 _POLL_S = 0.05
 # Seconds between progress reports: often enough that a report is fresh when a collective
@@ -52,6 +52,16 @@ def pick_backend(requested: Optional[str] = None) -> str:
     if requested not in ("gloo", "nccl"):
         raise ValueError(f"backend {requested!r} is not supported; choose auto, gloo or nccl")
     return requested
+
+
+# The communicator of the job this process joined (None: none, or it closed).
+_CURRENT: Optional["ProcessGroups"] = None
+
+
+def current() -> Optional["ProcessGroups"]:
+    """The :class:`ProcessGroups` this process joined last and has not closed, or None (what a
+    strategy's hook finds the job's store through, for :meth:`ProcessGroups.enter`)."""
+    return _CURRENT
 
 
 # The one-rank default group join_alone created (None: it created none, or it was left).
@@ -198,8 +208,10 @@ class ProcessGroups:
         return comm
 
     def _watch(self, store: "dist.Store") -> None:
+        global _CURRENT
         interval = min(_REPORT_S, self.timeout / 5)
         self._progress = (store, interval, entry.Entries())
+        _CURRENT = self
         checked = debug.requested()  # a malformed value fails before any thread starts
         self.watch = Watch(store, self.rank, self.timeout, env.get("FLEETX_LOG_DIR"), interval)
         self.watch.start()
@@ -209,9 +221,10 @@ class ProcessGroups:
                                          interval)
             self.checker.start()
 
-    def enter(self, what: str) -> None:
+    def enter(self, what: str, timeout: Optional[float] = None) -> None:
         """Wait until every rank entered the fleetx collective call ``what``
-        (:func:`fleetx.comm.entry.enter`); one that will not is named at once.
+        (:func:`fleetx.comm.entry.enter`); one that will not is named at once, one that keeps
+        reporting is waited for up to ``timeout`` seconds (the job's collective timeout).
 
         Raises:
             CommError: a rank went elsewhere, stopped, or did not come within the timeout.
@@ -219,8 +232,8 @@ class ProcessGroups:
         found = getattr(self, "_progress", None)
         if found is not None and self.world_size > 1:
             store, interval, entries = found
-            entry.enter(store, self.rank, self.world_size, what, entries, self.timeout,
-                        interval)
+            entry.enter(store, self.rank, self.world_size, what, entries,
+                        self.timeout if timeout is None else timeout, interval)
 
     def check(self, op: str, group: object, tensors: Sequence[torch.Tensor]) -> None:
         """With ``FLEETX_DEBUG_COLLECTIVES=1``, raise unless every rank of ``group`` is about
@@ -274,6 +287,9 @@ class ProcessGroups:
         Called at interpreter exit by the fleet: leaving a process group (and a store client)
         to the interpreter's teardown can abort the process after a successful run.
         """
+        global _CURRENT
+        if _CURRENT is self:
+            _CURRENT = None
         if getattr(self, "checker", None) is not None:
             self.checker.stop()
             self.checker = None
