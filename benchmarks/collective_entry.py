@@ -1,4 +1,4 @@
-"""What the entry of fleetx's collective calls costs (``docs/reliability.md``, training checkpoints).
+"""What the entry of fleetx's collective calls costs (``docs/reliability.md``, checkpoints).
 
 ``fleet.save_checkpoint`` / ``load_checkpoint`` / ``consolidated_model`` (and ``state_dict`` at
 sharding stages 2 and 3) first wait until every rank has entered them, so that a rank that will

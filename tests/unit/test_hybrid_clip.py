@@ -3,8 +3,9 @@
 ``fleetx.parallel.clip.clip_grad_norm_`` without a hybrid group (and ``fleet.distributed_optimizer
 (opt).clip_grad_norm_`` under a one-process ``fleet.init``) equals
 ``torch.nn.utils.clip_grad_norm_``: norms and clipped gradients, for the 2-, 1- and inf-norms; bad
-norm types are refused with the reason (amp's clipping: tests/unit/test_recipe_clip.py). The data-parallel verdicts of
-hybrid layouts are pure planning: DDP over the data-parallel group, or none with dp_degree 1.
+norm types are refused with the reason (clipping under amp: tests/unit/test_recipe_clip.py). The
+data-parallel verdicts of hybrid layouts are pure planning: DDP over the data-parallel group, or
+none with dp_degree 1.
 The multi-process sums are tested in tests/distributed/test_hybrid.py.
 """
 from __future__ import annotations
