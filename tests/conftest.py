@@ -27,3 +27,15 @@ def one_process(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PADDLE_TRAINER_ENDPOINTS",
                  "PADDLE_TRAINER_ID", "FLEETX_DRY_RUN"):
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _leave_the_one_rank_group():
+    """A one-process ``fleet.init(is_collective=True)`` creates a one-rank default process group
+    (as torchrun's single process has); destroy it after the test, so the next one starts with
+    none and may create its own."""
+    yield
+    import sys
+    groups = sys.modules.get("fleetx.comm.groups")
+    if groups is not None:
+        groups.leave_alone()

@@ -258,6 +258,8 @@ class Watch:
             cause = cause.__cause__ or cause.__context__
         if cause is None:
             self.explain(exc)
+        elif cause._fleetx_blame is not None and cause._fleetx_blame != self.reported:
+            self.report(cause._fleetx_blame)  # found where it was raised (an eval guard's)
         (self._previous_hook or sys.__excepthook__)(kind, exc, tb)
 
 

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 from fleetx import env
-from fleetx.comm import debug
+from fleetx.comm import debug, entry
 from fleetx.comm.api import Blame, CommError, check_call
 from fleetx.comm.blame import Watch
 
-__all__ = ["CommError", "ProcessGroups", "default_timeout", "pick_backend"]
+__all__ = ["CommError", "ProcessGroups", "current", "default_timeout", "join_alone",
+           "leave_alone", "pick_backend"]
 
 _POLL_S = 0.05
 # Seconds between progress reports: often enough that a report is fresh when a collective
@@ -51,6 +52,47 @@ def pick_backend(requested: Optional[str] = None) -> str:
     if requested not in ("gloo", "nccl"):
         raise ValueError(f"backend {requested!r} is not supported; choose auto, gloo or nccl")
     return requested
+
+
+# The communicator of the job this process joined (None: none, or it closed).
+_CURRENT: Optional["ProcessGroups"] = None
+
+
+def current() -> Optional["ProcessGroups"]:
+    """The :class:`ProcessGroups` this process joined last and has not closed, or None (what a
+    strategy's hook finds the job's store through, for :meth:`ProcessGroups.enter`)."""
+    return _CURRENT
+
+
+# The one-rank default group join_alone created (None: it created none, or it was left).
+_ALONE: Optional[object] = None
+
+
+def join_alone(backend: str) -> bool:
+    """Give a one-process job the one-rank default process group torchrun's single process has
+    (rank 0 of 1), so ``torch.distributed`` calls (``get_rank``, ``all_reduce``,
+    ``DistributedSampler()``) work in ``python script.py`` too.
+
+    Its store is an in-process ``HashStore``: no port is opened, so two one-process jobs on one
+    host never collide. A default group that already exists (the script made one) is left.
+
+    Returns:
+        True when it created the group (:func:`leave_alone` destroys it).
+    """
+    global _ALONE
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _ALONE = dist.group.WORLD
+    return True
+
+
+def leave_alone() -> None:
+    """Destroy the group :func:`join_alone` created, if it is still the default group."""
+    global _ALONE
+    if _ALONE is not None and dist.is_initialized() and dist.group.WORLD is _ALONE:
+        dist.destroy_process_group()
+    _ALONE = None
 
 
 def _master_address(endpoints: Sequence[str],
@@ -166,7 +208,10 @@ class ProcessGroups:
         return comm
 
     def _watch(self, store: "dist.Store") -> None:
+        global _CURRENT
         interval = min(_REPORT_S, self.timeout / 5)
+        self._progress = (store, interval, entry.Entries())
+        _CURRENT = self
         checked = debug.requested()  # a malformed value fails before any thread starts
         self.watch = Watch(store, self.rank, self.timeout, env.get("FLEETX_LOG_DIR"), interval)
         self.watch.start()
@@ -175,6 +220,20 @@ class ProcessGroups:
             self.checker = debug.Checker(store, self.rank, self.timeout, self.watch.report,
                                          interval)
             self.checker.start()
+
+    def enter(self, what: str, timeout: Optional[float] = None) -> None:
+        """Wait until every rank entered the fleetx collective call ``what``
+        (:func:`fleetx.comm.entry.enter`); one that will not is named at once, one that keeps
+        reporting is waited for up to ``timeout`` seconds (the job's collective timeout).
+
+        Raises:
+            CommError: a rank went elsewhere, stopped, or did not come within the timeout.
+        """
+        found = getattr(self, "_progress", None)
+        if found is not None and self.world_size > 1:
+            store, interval, entries = found
+            entry.enter(store, self.rank, self.world_size, what, entries,
+                        self.timeout if timeout is None else timeout, interval)
 
     def check(self, op: str, group: object, tensors: Sequence[torch.Tensor]) -> None:
         """With ``FLEETX_DEBUG_COLLECTIVES=1``, raise unless every rank of ``group`` is about
@@ -228,6 +287,9 @@ class ProcessGroups:
         Called at interpreter exit by the fleet: leaving a process group (and a store client)
         to the interpreter's teardown can abort the process after a successful run.
         """
+        global _CURRENT
+        if _CURRENT is self:
+            _CURRENT = None
         if getattr(self, "checker", None) is not None:
             self.checker.stop()
             self.checker = None

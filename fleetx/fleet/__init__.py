@@ -91,6 +91,7 @@ world_size = _fleet.world_size
 rank_in_node = _fleet.rank_in_node
 distributed_model = _fleet.distributed_model
 distributed_optimizer = _fleet.distributed_optimizer
+consolidated_model = _fleet.consolidated_model
 explain = _fleet.explain
 observe = _fleet.observe
 save_checkpoint = _fleet.save_checkpoint
@@ -159,7 +160,8 @@ __all__ = [
     "worker_num", "node_num", "local_rank", "local_device", "local_device_ids",
     "world_device_ids", "is_worker", "is_server", "server_num", "server_index",
     "worker_endpoints", "server_endpoints", "barrier_worker", "rank", "nranks", "world_size",
-    "rank_in_node", "distributed_model", "distributed_optimizer", "explain", "state_bytes",
+    "rank_in_node", "distributed_model", "distributed_optimizer", "consolidated_model",
+    "explain", "state_bytes",
     "applied_strategies", "observe",
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",
     "init_worker", "init_server", "run_server", "stop_worker", "save_persistables", "prefetch",

@@ -60,6 +60,9 @@ class CheckpointCalls:
 
         Raises:
             FleetError: called before ``fleet.distributed_model``.
+            fleetx.comm.CommError: another rank did not call it (it went on into a collective of
+                its own, called another fleetx collective, or exited): named within a second or
+                two, not after the collective timeout.
             TypeError: ``extra`` is not a JSON-able dict.
             fleetx.checkpoint.CheckpointError: a file cannot be written or committed, or
                 sharding stage 2 or 3 holds gradients of an unfinished gradient merge
@@ -69,6 +72,7 @@ class CheckpointCalls:
             >>> fleet.save_checkpoint("ckpt", extra={"step": step})   # every rank
         """
         ts = self._training_state("save_checkpoint")
+        self._enter("fleet.save_checkpoint")
         ts.steps = self._steps_taken
         _training().save(path, ts, extra)
         self._saved_at = self._steps_taken
@@ -89,6 +93,7 @@ class CheckpointCalls:
 
         Raises:
             FleetError: called before ``fleet.distributed_model``.
+            fleetx.comm.CommError: another rank did not call it (as for :meth:`save_checkpoint`).
             fleetx.checkpoint.CheckpointError: no checkpoint in ``path``, or a damaged or
                 missing file ("checksum mismatch" naming it; nothing is loaded).
 
@@ -96,6 +101,7 @@ class CheckpointCalls:
             >>> step = fleet.load_checkpoint("ckpt")["step"]
         """
         ts = self._training_state("load_checkpoint")
+        self._enter("fleet.load_checkpoint")
         extra = _training().load(path, ts)
         self._steps_taken = self._saved_at = ts.steps
         self._record()
@@ -184,6 +190,13 @@ class CheckpointCalls:
         path, every = self._auto
         if self._steps_taken % every == 0 and self._steps_taken != self._saved_at:
             self.save_checkpoint(path)
+
+    def _enter(self, what: str) -> None:
+        """Wait at the entry of the collective call ``what`` until every rank comes; a rank
+        that went elsewhere (a save guarded by ``if rank == 0:``) is named at once."""
+        comm = getattr(self, "_comm", None)
+        if comm is not None:
+            comm.enter(what)
 
     def _record(self) -> None:
         if self._progress is not None:

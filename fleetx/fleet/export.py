@@ -43,9 +43,9 @@ class ExportCalls:
         disk and renames it, so ``path`` never holds half a file; every rank returns once it
         is written.
 
-        Every rank must call it: called under ``if rank == 0:`` it waits for the others until
-        ``FLEETX_TIMEOUT`` and fails with the backend's timeout error
-        (``FLEETX_DEBUG_COLLECTIVES=1`` names the rank that did not come instead).
+        Every rank must call it: called under ``if rank == 0:`` it is a ``CommError`` naming
+        the ranks that did not call it, within seconds where they went on into another
+        collective, else after ``FLEETX_TIMEOUT``.
 
         What ``path`` is: for a Hugging Face model (a ``transformers.PreTrainedModel``) a
         directory that ``from_pretrained(path)`` reads: ``config.json``,
@@ -85,6 +85,7 @@ class ExportCalls:
             >>> fleet.export_model("out/llama")                 # a Hugging Face model
         """
         module = user_module(model) if model is not None else self._exported_module()
+        self._enter("fleet.export_model")
         from fleetx.checkpoint.export import export_model
         return export_model(module, os.fspath(path), format)
 

@@ -17,8 +17,8 @@ from typing import Any, Optional
 import torch
 
 from fleetx import env
-from fleetx.comm.groups import ProcessGroups, pick_backend
-from fleetx.fleet import applied
+from fleetx.comm.groups import ProcessGroups, join_alone, leave_alone, pick_backend
+from fleetx.fleet import applied, consolidate
 from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerError: re-exported
 from fleetx.fleet.checkpoints import CheckpointCalls
 from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
@@ -28,6 +28,7 @@ from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel
 from fleetx.fleet.optimizer import DistributedOptimizer
 from fleetx.fleet.trial import apply_plan, run_trial
+from fleetx.parallel.api import is_dtensor
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
 from fleetx.fleet.util import UtilBase
 from fleetx.strategy.api import (Mode, Plan, StrategyError, TrainingContext, WorldInfo,
@@ -52,6 +53,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._role_maker: Optional[RoleMakerBase] = None
         self._strategy: Optional[DistributedStrategy] = None
         self._comm: Optional[ProcessGroups] = None
+        self._alone = False  # this fleet created the one-rank group of a one-process job
         self._backend: Optional[str] = None
         self._models: list = []
         # models a strategy module wrapped itself (register_model_type: a pipeline's stage)
@@ -62,6 +64,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._plan: Optional[Plan] = None
         self._search: Any = None  # what strategy.auto measured and chose, once it has
         self._util = UtilBase(self)
+        self._skeletons: dict = {}  # id(DistributedModel) -> its model's skeleton
         self._warned: set = set()
 
     @property
@@ -87,7 +90,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             role_maker: where the role comes from; default ``PaddleCloudRoleMaker`` (environment).
             is_collective: collective (allreduce) job rather than parameter server. Under a
                 collective launcher with no parameter servers (``WORLD_SIZE``, ``RANK`` or
-                ``PADDLE_TRAINER_ENDPOINTS`` set) the job is collective either way.
+                ``PADDLE_TRAINER_ENDPOINTS`` set) the job is collective either way. A
+                collective job of one process (``python script.py``) gets a one-rank default
+                process group, as torchrun's single process has, unless the script made one.
             strategy: the :class:`DistributedStrategy` (copied; later edits do not reach fleet).
 
         Raises:
@@ -112,6 +117,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         if self._comm is not None and (self._comm.rank, self._comm.world_size) != (
                 role_maker._worker_index(), role_maker._worker_num()):
             self._shutdown()  # a re-init into another world leaves the old one
+        if role_maker._worker_num() > 1:
+            leave_alone()  # a one-process fleet's one-rank group (this one's or another's)
+            self._alone = False
         self._role_maker = role_maker
         self._ctx, self._plan, self._models, self._search = None, None, [], None
         self._claimed = []
@@ -126,6 +134,8 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             launched = isinstance(role_maker, PaddleCloudRoleMaker)
             if launched and role_maker._worker_num() > 1 and not self._dry_run():
                 self._communicator()
+            elif role_maker._worker_num() == 1 and not self._dry_run():
+                self._join_alone()
             self._init_hybrid(topology)
         else:
             self._clear_hybrid()
@@ -171,12 +181,21 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
                 rm._set_trainer_endpoints(self._comm.endpoints)
         return self._comm
 
+    def _join_alone(self) -> None:
+        """A one-process collective job gets a one-rank default group, as under torchrun."""
+        if join_alone(self._backend):
+            self._alone = True
+            atexit.register(self._shutdown)
+
     def _shutdown(self) -> None:
         """Leave the world: destroy the process groups and release the store (also at exit)."""
         self._clear_hybrid()  # its groups go with the world's
         if self._comm is not None:
             self._comm.close()
             self._comm = None
+        if self._alone:
+            leave_alone()
+            self._alone = False
 
     # -- role queries --------------------------------------------------------------------------
     def barrier_worker(self) -> None:
@@ -270,6 +289,10 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
                 self._dist_optimizer._ctx = self._build_context()
             return build(model, self._strategy, self._context)
         wrapped = DistributedModel(model, self._context)
+        # before a strategy changes the model in place: what consolidated_model rebuilds
+        self._skeletons[id(wrapped)] = consolidate.skeleton(model)
+        wrapped.register_state_dict_pre_hook(self._state_dict_entry)
+        wrapped.__dict__["_enter_collective"] = self._enter  # save_pretrained's entry
         self._models.append(wrapped)
         self._ctx = None  # re-plan with the model known
         if self._dist_optimizer is not None:
@@ -278,6 +301,41 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         elif self._shapes_model():
             self._build_context()  # the model changes now, before its parameters are read
         return wrapped
+
+    def consolidated_model(self, model: Any) -> torch.nn.Module:
+        """A plain copy of a distributed model, to evaluate or ``generate`` on one rank.
+
+        Every rank calls it (at sharding stages 2 and 3 the full state is gathered, a
+        collective); the copy is a module of the model's own class holding whole tensors on the
+        model's device, with no fleetx hook, so any one rank may then run it alone (the others
+        may drop it). It is a copy: training the distributed model does not change it.
+
+        Args:
+            model: what ``fleet.distributed_model`` returned (or the model given to it).
+
+        Returns:
+            The plain model, in the training mode of ``model``.
+
+        Raises:
+            ValueError: ``model`` did not come from ``fleet.distributed_model``.
+            fleetx.comm.api.CommError: another rank did not call it (named within seconds).
+
+        Example:
+            >>> plain = fleet.consolidated_model(model)        # every rank
+            >>> if fleet.worker_index() == 0:
+            ...     print(plain.eval().generate(ids, max_new_tokens=20))
+        """
+        self._rm("consolidated_model")
+        wrapped = consolidate.find_wrapped(self._models, model, "consolidated_model")
+        self._enter("fleet.consolidated_model")
+        state = wrapped.state_dict()
+        return consolidate.plain_copy(self._skeletons[id(wrapped)], state, wrapped.training)
+
+    def _state_dict_entry(self, wrapped: torch.nn.Module, *_: Any) -> None:
+        """``state_dict`` of a sharded model gathers its parameters, a collective: the entry
+        names a rank that does not call it (``if rank == 0: torch.save(model.state_dict())``)."""
+        if any(is_dtensor(p) for p in wrapped.module.parameters()):
+            self._enter("model.state_dict")
 
     def _shapes_model(self) -> bool:
         """Whether an applied strategy changes the model in place (a dry run changes

@@ -180,6 +180,9 @@ class DistributedModel(nn.Module):
                             f"safe_serialization and is_main_process; {sorted(kwargs)} are not "
                             f"supported: it writes one consolidated file with "
                             f"fleet.export_model(path, format=...)")
+        enter = self.__dict__.get("_enter_collective")
+        if enter is not None:
+            enter("DistributedModel.save_pretrained")
         export_model(self.module, save_directory,
                      "safetensors" if safe_serialization else "torch",
                      what="DistributedModel.save_pretrained")
@@ -188,7 +191,8 @@ class DistributedModel(nn.Module):
         # A copy (EMA models, torch.save of the module) is a plain model: it neither carries
         # the process groups nor takes part in the job.
         state = dict(self.__dict__)
-        state.update(_context_of=None, _engine=None, _eval_engine=None, _built_for=None)
+        state.update(_context_of=None, _engine=None, _eval_engine=None, _built_for=None,
+                     _enter_collective=None)
         return state
 
     def __getattr__(self, name: str) -> Any:

@@ -158,20 +158,26 @@ class DistributedOptimizer(OptimizerWrapper):
             The total norm before clipping, a 0-d tensor, the same on every rank; None on a
             gradient-merge micro-step before the last (nothing clipped).
 
+        Under ``strategy.amp`` the gradients are unscaled first (as ``GradScaler.unscale_``
+        does), once per step: the norm returned and clipped to is the model's, and the step
+        does not unscale again. Gradients with inf or nan give an inf or nan norm, and the step
+        is skipped as without clipping.
+
         Raises:
-            ValueError: ``norm_type`` is not positive, or a strategy's ``before_clip`` hook
-                refuses (``amp``: the gradients are still scaled before the step).
+            ValueError: ``norm_type`` is not positive.
 
         Example:
             >>> opt.backward(loss)
             >>> norm = opt.clip_grad_norm_(1.0)
             >>> opt.step(); opt.zero_grad()
         """
+        # A micro-step's partial sum is left as it is: in particular amp must not unscale
+        # gradients the next micro-steps still add scaled gradients to.
+        if any(partial() for partial in self._ctx.partial_gradients):
+            return None
         params = [p for group in self.inner.param_groups for p in group["params"]]
         for prepare in self._ctx.before_clip:
             prepare(params)
-        if any(partial() for partial in self._ctx.partial_gradients):
-            return None
         return clip_grad_norm_(params, max_norm, norm_type, modules=self._modules(),
                                error_if_nonfinite=error_if_nonfinite)
 

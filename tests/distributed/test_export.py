@@ -348,16 +348,15 @@ def _one_rank_calls(rank: int, world: int, out: str, debug: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("debug", ["0", "1"], ids=["plain", "debug_collectives"])
-def test_an_export_called_on_one_rank_fails_after_the_timeout(tmp_path, debug):
-    """As docs/export.md says: the backend's timeout error after FLEETX_TIMEOUT, or with
-    FLEETX_DEBUG_COLLECTIVES=1 a CommError naming the rank that did not come; no file."""
+def test_an_export_called_on_one_rank_names_the_rank_that_did_not_call_it(tmp_path, debug):
+    """As docs/export.md says: a CommError naming the rank that did not call it (here it only
+    sleeps, so after FLEETX_TIMEOUT), with or without FLEETX_DEBUG_COLLECTIVES; no file."""
     import spawn
     spawn.run(_one_rank_calls, 2, str(tmp_path), debug, deadline=60)
     got = torch.load(tmp_path / "rank0.pt")
     assert got["error"] is not None and got["seconds"] < 10
-    if debug == "1":
-        assert got["error"][0] == "CommError"
-        assert got["error"][1].startswith("rank 1 did not arrive at fleet.export_model")
+    assert got["error"][0] == "CommError" and "fleet.export_model" in got["error"][1], got
+    assert "rank 1" in got["error"][1], got
     assert not (tmp_path / "never.safetensors").exists()
 
 

@@ -7,16 +7,20 @@ A forward of a sharded model gathers its parameters, a collective, also in eval 
   those of the same run without evaluation);
 * to evaluate on one rank, every rank calls ``model.state_dict()`` (full tensors) and that rank
   evaluates a plain model loaded from it: the same outputs, and training goes on;
-* an eval forward on one rank alone is refused after the collective timeout (``FLEETX_TIMEOUT``,
-  5 s here) with a ``CommError`` naming the rank that did not come, on whichever rank is alone,
-  instead of pairing with the other rank's training collectives.
+* an eval forward on one rank alone is refused at once (the other rank went on into a collective;
+  ``FLEETX_TIMEOUT``, 5 s here, bounds the wait) with a ``CommError`` naming the rank that did
+  not come (in its message and in the
+  blame fleetrun's ABORT line reads) and ``fleet.consolidated_model``, on whichever rank is
+  alone, instead of pairing with the other rank's training collectives.
 
 Every spawn has a deadline, so a regression that hangs fails instead.
 """
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -96,25 +100,26 @@ def _one_rank_recipe(rank: int, stage: int) -> dict:
     return out
 
 
-def _alone(rank: int, stage: int, lonely: int) -> str:
+def _alone(rank: int, stage: int, lonely: int) -> tuple:
     """Rank ``lonely`` runs an eval forward alone; the other waits at a barrier (on the job's
-    process group, whose timeout is longer than the guard's). The error text, or ""."""
+    process group). The error text and the blamed ranks (or ""), and the seconds it took."""
     import torch.distributed as dist
 
     from fleetx.comm.api import CommError
     os.environ["FLEETX_TIMEOUT"] = str(GUARD_TIMEOUT)  # read by fleet.init into the world
     model, opt = _sharded(stage)
     _train(model, opt, rank, seed=4)
-    error = ""
+    error, start = "", time.monotonic()
     if rank == lonely:
         model.eval()
         try:
             with torch.no_grad():
                 model(torch.ones(1, 6))
         except CommError as err:
-            error = str(err)
+            error = (str(err), err._fleetx_blame.ranks)  # the ranks fleetrun's ABORT names
+    took = time.monotonic() - start
     dist.barrier()
-    return error
+    return error, took
 
 
 def _cases(rank: int, world: int, out: str) -> None:
@@ -162,9 +167,15 @@ def test_one_rank_evaluates_a_plain_model_from_the_full_state_dict(ranks, stage)
 
 def test_an_eval_forward_on_one_rank_alone_is_an_error_naming_the_missing_rank(ranks):
     want = ("sharding stage {stage}: a forward in eval mode gathers the sharded parameters, a "
-            "collective every rank must run, and rank(s) {missing} did not run one within "
-            f"{GUARD_TIMEOUT} s (FLEETX_TIMEOUT); evaluate on every rank, or on one rank with a "
-            "plain model loaded from model.state_dict() (which every rank calls)")
-    assert ranks[0][3, "rank0_alone"] == want.format(stage=3, missing=1)
-    assert ranks[1][2, "rank1_alone"] == want.format(stage=2, missing=0)
-    assert ranks[1][3, "rank0_alone"] == "" and ranks[0][2, "rank1_alone"] == ""
+            "collective every rank must run, and rank(s) {missing} did not run one (rank "
+            "{missing} went on into a collective of its own: call #{{}} on the default process "
+            "group, which this rank has not entered; FLEETX_TIMEOUT bounds the wait); evaluate "
+            "on every rank, or on one rank with a plain copy that every rank makes: plain = "
+            "fleet.consolidated_model(model); if rank == 0: evaluate(plain)")
+    for rank, stage, key in ((0, 3, "rank0_alone"), (1, 2, "rank1_alone")):
+        (text, blamed), took = ranks[rank][stage, key]
+        call = re.search(r"call #(\d+) on", text)
+        assert call and text == want.format(stage=stage, missing=1 - rank).format(call.group(1))
+        assert blamed == (1 - rank,)
+        assert took < GUARD_TIMEOUT  # named at once, not after the timeout
+    assert ranks[1][3, "rank0_alone"][0] == "" and ranks[0][2, "rank1_alone"][0] == ""

@@ -3,8 +3,9 @@
 ``fleetx.parallel.clip.clip_grad_norm_`` without a hybrid group (and ``fleet.distributed_optimizer
 (opt).clip_grad_norm_`` under a one-process ``fleet.init``) equals
 ``torch.nn.utils.clip_grad_norm_``: norms and clipped gradients, for the 2-, 1- and inf-norms; bad
-norm types and amp's scaled gradients are refused with the reason. The data-parallel verdicts of
-hybrid layouts are pure planning: DDP over the data-parallel group, or none with dp_degree 1.
+norm types are refused with the reason (clipping under amp: tests/unit/test_recipe_clip.py). The
+data-parallel verdicts of hybrid layouts are pure planning: DDP over the data-parallel group, or
+none with dp_degree 1.
 The multi-process sums are tested in tests/distributed/test_hybrid.py.
 """
 from __future__ import annotations
@@ -85,15 +86,6 @@ def test_distributed_optimizer_clips_like_torch(one_process):
     assert torch.allclose(opt.clip_grad_norm_(0.2), ref, rtol=1e-6, atol=0)
     for a, b in zip(want.parameters(), model.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-9)
-
-
-def test_clipping_scaled_amp_gradients_is_refused(one_process):
-    f = one_process(amp=True)
-    model = f.distributed_model(_model_with_grads())
-    opt = f.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="clip_grad_norm_ with strategy.amp: the gradients "
-                                         "still carry the loss scale"):
-        opt.clip_grad_norm_(1.0)
 
 
 def _data_parallel_reason(world: int, **hybrid) -> tuple:

@@ -15,8 +15,9 @@ the scaled loss; a step guard unscales the gradients and skips the step when one
 nan. When the gradients were synchronised (data parallel), the found-inf flag is all-reduced so
 that every rank skips the same steps and keeps the same scale. The scaler's state is saved with
 the optimizer, and ``optimizer.get_loss_scaling()`` returns the current scale.
-``optimizer.clip_grad_norm_`` is refused (through the context's ``before_clip`` hook): there the
-gradients still carry the scale.
+``optimizer.clip_grad_norm_`` unscales the gradients first (the context's ``before_clip`` hook,
+as ``GradScaler.unscale_`` before clipping), so it clips by the model's norm; the step guard then
+reuses that unscale and its found-inf flag instead of dividing a second time.
 """
 from __future__ import annotations
 
@@ -195,16 +196,8 @@ class AmpStrategy(Strategy):
         ctx.step_guards.append(check.guard)
         ctx.after_step.append(check.after_step)
         ctx.optimizer_methods["get_loss_scaling"] = lambda: scaler.scale
-        ctx.before_clip.append(_refuse_clip)
+        ctx.before_clip.append(check.before_clip)
         ctx.scalars["loss_scale"] = lambda: float(scaler.scale)
-
-
-def _refuse_clip(params: list) -> None:
-    """``before_clip``: refuse, as the gradients are unscaled only by the step guard, after
-    clipping would have run."""
-    raise ValueError("clip_grad_norm_ with strategy.amp: the gradients still carry the loss "
-                     "scale before the step, so their norm is not the model's; turn amp off to "
-                     "clip")
 
 
 class _InfCheck:
@@ -219,8 +212,23 @@ class _InfCheck:
         self.ctx, self.scaler = ctx, scaler
         self.found_inf: Any = None  # None: the guard did not run this step
         self.scaled = False  # a backward ran on the scaled loss since the last step
+        # The found-inf flag of an unscale clip_grad_norm_ already made this step (None: the
+        # gradients still carry the scale); the guard must not divide them a second time.
+        self.clipped_found: Optional[bool] = None
+
+    def before_clip(self, params: list) -> None:
+        """``before_clip``: unscale now, once per step, so the norm is the model's (a clip from
+        a step pre-hook runs after the guard and finds the gradients unscaled already)."""
+        if self.clipped_found is None and self.found_inf is None:
+            self.clipped_found = self._unscale()
 
     def guard(self) -> bool:
+        found = self.clipped_found if self.clipped_found is not None else self._unscale()
+        self.found_inf = found
+        return not found
+
+    def _unscale(self) -> bool:
+        """Divide the gradients by the scale; whether one holds inf or nan on any rank."""
         params = [p for g in self.ctx.optimizer.param_groups for p in g["params"]]
         if not self.scaled and any(p.grad is not None for p in params):
             # Unscaling gradients that were never scaled would shrink the step silently.
@@ -236,10 +244,11 @@ class _InfCheck:
             flag = torch.tensor([1.0 if found else 0.0], device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             found = bool(flag.item() > 0)
-        self.found_inf = found
-        return not found
+        return found
 
     def after_step(self) -> None:
+        # Every step (taken or skipped) ends the unscale a clip made for it.
+        self.clipped_found = None
         if self.found_inf is not None:
             self.scaler.update(self.found_inf)
             self.found_inf, self.scaled = None, False

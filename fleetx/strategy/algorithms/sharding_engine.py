@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fleetx.comm.api import CommError
+from fleetx.comm.api import Blame, CommError
+from fleetx.comm.groups import current
 from fleetx.strategy.api import StrategyError
 
 if TYPE_CHECKING:
@@ -198,9 +200,12 @@ def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], Con
 
     A sharded forward gathers parameters, a collective. Run on one rank alone (evaluation on
     rank 0), its all-gathers would pair with the other ranks' training collectives: wrong
-    outputs, then a crash or a wait for ever. This barrier, on a gloo group of its own, turns
-    that into an error naming the ranks that did not come. Training forwards run on every rank
-    anyway and are not checked.
+    outputs, then a crash or a wait for ever. The guard turns that into an error naming the ranks
+    that did not come: through the job's store (:meth:`fleetx.comm.groups.ProcessGroups.enter`),
+    within a second or two when they went on into a collective (the next training step's
+    gathers) or stopped, else after ``timeout``; on a monitored barrier of its own gloo group
+    (after ``timeout``) where fleetx did not join the job itself. Training forwards run on every
+    rank anyway and are not checked.
 
     Args:
         model: the sharded module; its ``training`` flag says whether a forward is an eval one.
@@ -219,21 +224,42 @@ def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], Con
     @contextlib.contextmanager
     def guard() -> Iterator[None]:
         if not model.training:
-            try:
-                dist.monitored_barrier(group, timeout=timedelta(seconds=timeout),
-                                       wait_all_ranks=True)
-            except RuntimeError as err:
-                # Rank 0 names the ranks that did not come; the others wait for rank 0 only.
-                missing = re.search(r"Ranks? ([\d, ]+) failed", str(err))
-                who = f"rank(s) {missing.group(1) if missing else 0}"
-                raise CommError(
-                    f"sharding stage {stage}: a forward in eval mode gathers the sharded "
-                    f"parameters, a collective every rank must run, and {who} did not run one "
-                    f"within {timeout:.0f} s (FLEETX_TIMEOUT); evaluate on every rank, or on "
-                    f"one rank with a plain model loaded from model.state_dict() (which every "
-                    f"rank calls)") from err
+            comm = current()
+            if comm is not None:  # the job's store: a rank gone elsewhere is named at once
+                try:
+                    comm.enter("model.forward", timeout=timeout)
+                except CommError as err:
+                    raise _eval_alone(stage, err.missing, err.cause) from err
+            else:
+                _eval_barrier(group, stage, timeout)
         yield
     return guard
+
+
+def _eval_barrier(group: Any, stage: int, timeout: float) -> None:
+    """Without fleetx's communicator: a monitored barrier (named after ``timeout`` only)."""
+    try:
+        dist.monitored_barrier(group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as err:
+        # Rank 0 names the ranks that did not come; the others wait for rank 0 only.
+        found = re.search(r"Ranks? ([\d, ]+) failed", str(err))
+        missing = tuple(int(r) for r in found.group(1).split(",") if r.strip()) if found else (0,)
+        raise _eval_alone(stage, missing, f"they did not come within {timeout:.0f} s") from err
+
+
+def _eval_alone(stage: int, missing: tuple, cause: str) -> CommError:
+    """The error of an eval forward the ``missing`` ranks did not come to. It names them, also
+    for fleetrun's ABORT line (its blame), not the rank that evaluates."""
+    who = f"rank(s) {', '.join(map(str, missing))}"
+    error = CommError(
+        f"sharding stage {stage}: a forward in eval mode gathers the sharded parameters, a "
+        f"collective every rank must run, and {who} did not run one ({cause}; FLEETX_TIMEOUT "
+        f"bounds the wait); evaluate on every rank, or on one rank with a plain copy that every "
+        f"rank makes: plain = fleet.consolidated_model(model); if rank == 0: evaluate(plain)")
+    error._fleetx_blame = Blame(dist.get_rank(), os.getpid(), missing,
+                                f"{who} did not come to the eval forward of sharding stage "
+                                f"{stage} that rank {dist.get_rank()} ran")
+    return error
 
 
 def _own_group(purpose: str) -> Any:
