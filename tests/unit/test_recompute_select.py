@@ -71,7 +71,8 @@ def test_gpt2_by_class_checkpoints_its_blocks_and_keeps_the_gradients(monkeypatc
     fleet = _fleet(["GPT2Block"])
     model = fleet.distributed_model(net)
     fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert "3 module(s): transformer.h.0, transformer.h.1, transformer.h.2" in str(fleet.explain())
+    assert ("3 module(s) selected by GPT2Block: transformer.h.0, transformer.h.1, "
+            "transformer.h.2") in str(fleet.explain())
     ids = hf_models.batch(2)
     got, want = _grads(model, net, ids), _grads(plain, plain, ids)  # the first forward wraps the blocks
     marked = [n for n, m in net.named_modules()

@@ -277,8 +277,9 @@ class RecomputeStrategy(Strategy):
         chosen, error = select_modules(model.module_names, model.module_classes, names)
         if error:
             return Verdict.fail(error)
+        by = "" if list(names) == chosen else f" selected by {', '.join(names)}"
         return Verdict.ok(f"torch.utils.checkpoint (non-reentrant, RNG preserved) around "
-                          f"{len(chosen)} module(s): {_summary(chosen)}")
+                          f"{len(chosen)} module(s){by}: {_summary(chosen)}")
 
     def apply(self, ctx: TrainingContext) -> None:
         names = list(self.strategy.typed_config("recompute").checkpoints)
