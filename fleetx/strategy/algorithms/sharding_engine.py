@@ -5,7 +5,7 @@
   and defaults); each rank keeps the state of its share of the parameters, steps them and
   broadcasts them. The model keeps ``DistributedDataParallel`` over the whole world.
 * Stages 2 and 3: :func:`shard_in_place` applies FSDP2 ``fully_shard`` to the user's module, in
-  place: first to each sub-module unit (:func:`sharding_units`), then to the root, so at stage 3
+  place: first to each unit (:func:`sharding_units`: the model's blocks), then to the root, so at stage 3
   a unit's parameters are gathered for its forward and freed after it. Parameters become
   ``DTensor`` shards; gradients are reduce-scattered, so no DDP runs. :func:`rebound_optimizer`
   then gives the optimizer the new parameters.
@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +29,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fleetx.comm.api import CommError
+from fleetx.strategy.algorithms.fsdp_units import plan_units
 from fleetx.strategy.api import StrategyError
+from fleetx.strategy.plan import ModelInfo
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -56,47 +57,25 @@ class ShardRecord:
     names: Any = field(default_factory=WeakIdKeyDictionary, repr=False)
 
 
-# Containers looked through: a ModuleList / ModuleDict is never called, and a model may iterate
-# over a Sequential instead of calling it (FSDP2 gathers a unit in its forward hook, which a
-# loop over the container skips). Their children are called either way.
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def _candidates(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    """Children holding parameters, looking through containers."""
-    for name, child in module.named_children():
-        qualified = f"{prefix}{name}"
-        if isinstance(child, _CONTAINERS):
-            yield from _candidates(child, qualified + ".")
-        elif any(True for _ in child.parameters()):
-            yield qualified, child
-
-
-def sharding_units(model: nn.Module) -> list[nn.Module]:
-    """The sub-modules that become FSDP units of their own before the root: each child holding
-    parameters (the children of a ``ModuleList``, ``ModuleDict`` or ``Sequential`` child, which
-    a model may iterate over rather than call).
-
-    A child sharing a parameter with a module outside it (tied embedding and output weights)
-    stays in the root unit: sharding it alone would split the tie into two parameters.
+def sharding_units(model: nn.Module, entries: Sequence[str] = ()) -> list[nn.Module]:
+    """The sub-modules that become FSDP2 units of their own before the root, by the rule of
+    :mod:`~fleetx.strategy.algorithms.fsdp_units`: those ``entries`` name, else the model's
+    repeated blocks (and ``_no_split_modules`` classes), else each child holding parameters;
+    a tied embedding and head stay in the root.
 
     Args:
         model: the user's module (the root unit, not listed).
+        entries: ``sharding_configs['units']`` (class names or qualified-name globs).
+
+    Raises:
+        StrategyError: an entry matches nothing or would split a tie (see ``plan_units``).
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
         >>> [type(u).__name__ for u in sharding_units(m)]
         ['Linear', 'Linear']
     """
-    owners: dict[int, list[str]] = defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)].append(name)
-    units = []
-    for prefix, child in _candidates(model, ""):
-        inside = prefix + "."
-        if all(n.startswith(inside) for p in child.parameters() for n in owners[id(p)]):
-            units.append(child)
-    return units
+    return [model.get_submodule(u.name) for u in plan_units(ModelInfo.of(model), entries)]
 
 
 def device_mesh(device: str, mesh_shape: tuple[int, int]) -> Any:
@@ -115,7 +94,7 @@ def device_mesh(device: str, mesh_shape: tuple[int, int]) -> Any:
 
 
 def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
-                   device: str) -> ShardRecord:
+                   device: str, units: Sequence[str] = ()) -> ShardRecord:
     """Apply FSDP2 ``fully_shard`` to ``model`` in place (stage 2 keeps the parameters gathered
     from forward to backward, stage 3 frees them after each unit's forward); a module already
     sharded the same way is left as it is.
@@ -125,13 +104,14 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
         stage: 2 or 3.
         mesh_shape: ``(dp_degree, sharding_degree)``, see :func:`device_mesh`.
         device: ``"cpu"`` or ``"cuda"``.
+        units: ``sharding_configs['units']``, see :func:`sharding_units`.
 
     Returns:
         The module's :class:`ShardRecord` (the names of its original parameters).
 
     Raises:
         StrategyError: the module was already sharded at another stage or layout (FSDP2 cannot
-            be undone: build a fresh model).
+            be undone: build a fresh model), or ``units`` is refused (:func:`sharding_units`).
     """
     record = model.__dict__.get(_RECORD)
     if record is not None:
@@ -148,11 +128,20 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
         record.names[p] = name
     mesh = device_mesh(device, mesh_shape)
     reshard = stage == 3
-    for unit in sharding_units(model):
+    # innermost first: a unit nested in another (named by the user) is sharded before it, so
+    # the outer unit's parameters are only its own
+    chosen = sharding_units(model, units)
+    for unit in sorted(chosen, key=lambda u: -_depth(model, u, chosen)):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     model.__dict__[_RECORD] = record
     return record
+
+
+def _depth(model: nn.Module, unit: nn.Module, chosen: list[nn.Module]) -> int:
+    """How many of the ``chosen`` units hold ``unit`` (0: an outermost one)."""
+    return sum(1 for other in chosen if other is not unit
+               and any(m is unit for m in other.modules()))
 
 
 def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], ContextManager]:
