@@ -104,8 +104,8 @@ def test_an_entry_that_matches_nothing_names_it_and_the_nearest_valid_entries():
     assert _refusal(model, "model.rotary_emb") == (
         "sharding_configs['units']: 'model.rotary_emb' matches only modules without parameters "
         "('model.rotary_emb') of LlamaForCausalLM (a class name, or a qualified-name glob where "
-        "* stays within one segment); nearest valid: 'model.norm', 'model.embed_tokens', "
-        "'model.layers.*'")
+        "* stays within one segment); nearest valid: 'model.norm', 'model.layers.*', "
+        "'model.layers.*.mlp'")
 
 
 def test_an_entry_naming_a_container_or_splitting_a_tie_is_refused():
