@@ -5,8 +5,8 @@
   and defaults); each rank keeps the state of its share of the parameters, steps them and
   broadcasts them. The model keeps ``DistributedDataParallel`` over the whole world.
 * Stages 2 and 3: :func:`shard_in_place` applies FSDP2 ``fully_shard`` to the user's module, in
-  place: first to each unit (:func:`sharding_units`: the model's blocks), then to the root, so at stage 3
-  a unit's parameters are gathered for its forward and freed after it. Parameters become
+  place: first to each unit (:func:`sharding_units`: the model's blocks), then to the root, so
+  at stage 3 a unit's parameters are gathered for its forward and freed after it. Parameters become
   ``DTensor`` shards; gradients are reduce-scattered, so no DDP runs. :func:`rebound_optimizer`
   then gives the optimizer the new parameters.
 
