@@ -155,17 +155,15 @@ class ShardingStrategy(Strategy):
         except StrategyError as err:
             return Verdict.fail(str(err))
         stage = self.strategy.typed_config("sharding").stage
-        if stage > 1 and topo.sharding_degree > 1:
-            try:
-                self._units(plan_input)
-            except StrategyError as err:  # a units entry the model refuses
-                return Verdict.fail(str(err))
         if topo.sharding_degree == 1:
             return Verdict.skip(f"sharding degree 1 on {world.world_size} process(es): nothing "
                                 f"to shard (stage {stage} asked)", warn=True)
-        engine = ("ZeroRedundancyOptimizer, model under DistributedDataParallel" if stage == 1
-                  else f"FSDP2 fully_shard(reshard_after_forward={stage == 3}), no "
-                       f"DistributedDataParallel; {self._units(plan_input)}")
+        try:
+            engine = ("ZeroRedundancyOptimizer, model under DistributedDataParallel" if stage == 1
+                      else f"FSDP2 fully_shard(reshard_after_forward={stage == 3}), no "
+                           f"DistributedDataParallel; {self._units(plan_input)}")
+        except StrategyError as err:  # a units entry the model refuses
+            return Verdict.fail(str(err))
         groups = (f"one sharding group of {topo.sharding_degree}" if topo.dp_degree == 1 else
                   f"{topo.dp_degree} sharding groups of {topo.sharding_degree}, replicated "
                   f"over data-parallel groups of {topo.dp_degree}")

@@ -6,9 +6,9 @@
   broadcasts them. The model keeps ``DistributedDataParallel`` over the whole world.
 * Stages 2 and 3: :func:`shard_in_place` applies FSDP2 ``fully_shard`` to the user's module, in
   place: first to each unit (:func:`sharding_units`: the model's blocks), then to the root, so
-  at stage 3 a unit's parameters are gathered for its forward and freed after it. Parameters become
-  ``DTensor`` shards; gradients are reduce-scattered, so no DDP runs. :func:`rebound_optimizer`
-  then gives the optimizer the new parameters.
+  at stage 3 a unit's parameters are gathered for its forward and freed after it. Parameters
+  become ``DTensor`` shards; gradients are reduce-scattered, so no DDP runs.
+  :func:`rebound_optimizer` then gives the optimizer the new parameters.
 
 Both are idempotent: the fleet re-plans at every ``distributed_model`` / ``distributed_optimizer``
 call, and a second call finds the module already sharded (a record on the module) and the
@@ -131,7 +131,7 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
     # innermost first: a unit nested in another (named by the user) is sharded before it, so
     # the outer unit's parameters are only its own
     chosen = sharding_units(model, units)
-    for unit in sorted(chosen, key=lambda u: -_depth(model, u, chosen)):
+    for unit in sorted(chosen, key=lambda u: -_depth(u, chosen)):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     model.__dict__[_RECORD] = record
@@ -162,7 +162,7 @@ def gathered_bytes(model: nn.Module) -> int:
     return total
 
 
-def _depth(model: nn.Module, unit: nn.Module, chosen: list[nn.Module]) -> int:
+def _depth(unit: nn.Module, chosen: list[nn.Module]) -> int:
     """How many of the ``chosen`` units hold ``unit`` (0: an outermost one)."""
     return sum(1 for other in chosen if other is not unit
                and any(m is unit for m in other.modules()))
