@@ -19,6 +19,7 @@ of 256, float32, Adam:
   slowest rank's. Reported: the median over rounds of fleetx's time / raw time (goal <= 1.05).
 
     python benchmarks/hf_sharding.py --rounds 7
+    python benchmarks/hf_sharding.py --part memory   # the byte counts alone, untimed
     python benchmarks/hf_sharding.py --layers 2 --width 32 --rounds 1 --steps 1 --warmup 1  # smoke
 
 Prints a summary and one JSON line.
@@ -203,7 +204,8 @@ def _entry(rank: int, world: int, port: int, args, out: str) -> None:
         memory = measure_memory(fleet, name, args, x)
         gathered: list = [None] * world
         dist.all_gather_object(gathered, memory)
-        results[name] = {"memory": gathered, "times": measure_speed(fleet, name, args, x)}
+        times = measure_speed(fleet, name, args, x) if args.part != "memory" else None
+        results[name] = {"memory": gathered, "times": times}
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -220,7 +222,7 @@ def report(name: str, data: dict) -> dict:
         print(f"    {rule}: forward peak {peak:>12,} B (x{peak / bound:.3f} of root + 2 blocks, "
               f"x{peak / mem['full']:.3f} of the model); state {mem[f'{rule}_state']:>12,} B")
     speed = {}
-    for stage in (2, 3):
+    for stage in (2, 3) if data["times"] is not None else ():
         fx, rw = data["times"][f"fleetx_stage{stage}"], data["times"][f"raw_stage{stage}"]
         q1, med, q3 = quartiles([a / b for a, b in zip(fx, rw)])
         speed[f"stage{stage}"] = {"fleetx_ms": 1000 * statistics.median(fx),
@@ -241,6 +243,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per window")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--part", choices=("all", "memory"), default="all",
+                        help="memory: the byte counts only (counted, not timed: any machine)")
     parser.add_argument("--out", default="/tmp/fleetx_hf_sharding.json")
     args = parser.parse_args()
     start_processes(_entry, args=(2, free_port(), args, args.out), nprocs=2)
