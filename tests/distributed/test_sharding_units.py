@@ -6,7 +6,8 @@ the root and ``transformer.h.*``; the parameters gathered on a rank during a for
 exceed the root plus two blocks (and are below the whole model: the saving is real); after
 the steps the parameters equal one process trained on the union batch (1e-9, a formula).
 ``LlamaForCausalLM`` with ``sharding_configs['units']`` naming nested units (each decoder layer
-and its MLP, by glob and by class) keeps the same contract. One spawn runs both.
+and its MLP, by glob and by class) keeps the same contract; wrapping it again with other units
+is refused. One spawn runs both.
 """
 from __future__ import annotations
 
@@ -93,7 +94,21 @@ def _case(rank: int, name: str) -> dict:
         opt.minimize(model(input_ids=x[sl], labels=x[sl]).loss)
     return {"before": before, "after": _explain(fleet), "peak": peak,
             "units": [n for n, m in plain.named_modules() if isinstance(m, FSDPModule)],
-            "state": model.state_dict()}
+            "state": model.state_dict(), "changed": _units_changed(fleet, plain)}
+
+
+def _units_changed(fleet, sharded) -> str:
+    """The error of wrapping the sharded model again with other units."""
+    from fleetx.strategy.api import StrategyError
+    s = fleet.DistributedStrategy()
+    s.sharding = True
+    s.sharding_configs = {"stage": 3, "units": ["*.*.0"]}
+    fleet.init(is_collective=True, strategy=s)
+    try:
+        fleet.distributed_model(sharded)
+    except StrategyError as err:
+        return str(err)
+    return ""
 
 
 def _cases(rank: int, world: int, out: str) -> None:
@@ -128,6 +143,14 @@ def test_the_units_are_sharded_and_stage3_equals_one_process_on_the_union_batch(
         assert r[name]["units"] == [""] + CASES[name][3]
         assert set(r[name]["state"]) == set(want)
         assert max_diff(r[name]["state"], want) <= 1e-9
+
+
+def test_other_units_for_a_sharded_model_are_refused(ranks):
+    for r in ranks:
+        assert r["llama"]["changed"] == (
+            "sharding: the model was already sharded with sharding_configs['units'] = "
+            "['model.layers.*', 'LlamaMLP'] and is now asked for ['*.*.0']; sharding cannot be "
+            "undone: wrap a fresh model")
 
 
 def test_the_forward_gathers_at_most_the_root_and_two_blocks(ranks):

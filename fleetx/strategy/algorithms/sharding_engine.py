@@ -55,6 +55,7 @@ class ShardRecord:
     stage: int
     mesh_shape: tuple[int, ...]
     names: Any = field(default_factory=WeakIdKeyDictionary, repr=False)
+    units: tuple[str, ...] = ()  # sharding_configs['units'] when it was sharded
 
 
 def sharding_units(model: nn.Module, entries: Sequence[str] = ()) -> list[nn.Module]:
@@ -120,10 +121,15 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
                 f"sharding: the model was already sharded at stage {record.stage} over a "
                 f"{record.mesh_shape} mesh and is now asked for stage {stage} over "
                 f"{tuple(mesh_shape)}; sharding cannot be undone: wrap a fresh model")
+        if record.units != tuple(units):
+            raise StrategyError(
+                f"sharding: the model was already sharded with sharding_configs['units'] = "
+                f"{list(record.units)} and is now asked for {list(units)}; sharding cannot be "
+                f"undone: wrap a fresh model")
         return record
     from torch.distributed.fsdp import fully_shard  # on use, as ZeroRedundancyOptimizer
 
-    record = ShardRecord(stage, tuple(mesh_shape))
+    record = ShardRecord(stage, tuple(mesh_shape), units=tuple(units))
     for name, p in model.named_parameters():
         record.names[p] = name
     mesh = device_mesh(device, mesh_shape)
