@@ -80,7 +80,12 @@ class ModelInfo:
     module_names: tuple[str, ...] = ()  # qualified names of every sub-module (named_modules)
     param_bytes: tuple[int, ...] = ()  # bytes of each parameter (numel * element size)
     trainable: tuple[bool, ...] = ()  # whether each parameter requires a gradient
-    module_classes: tuple[str, ...] = ()  # class name of each entry of module_names
+    # beside module_names: each module's class (FSDP2's wrapper class seen through), and its
+    # container kind ("ModuleList", "ModuleDict", "Sequential" or ""), for the sharding units
+    module_classes: tuple[str, ...] = ()
+    containers: tuple[str, ...] = ()
+    tied: tuple[tuple[str, ...], ...] = ()  # the names of each parameter known by several
+    no_split: tuple[str, ...] = ()  # classes a module lists in its ``_no_split_modules`` (HF)
 
     @property
     def numel(self) -> int:
@@ -91,7 +96,6 @@ class ModelInfo:
         if model is None:
             return cls()
         names, numels, sparse, modules, sizes, trainable = [], [], [], [], [], []
-        classes = []
         for name, p in model.named_parameters():
             names.append(name)
             numels.append(p.numel())
@@ -99,11 +103,29 @@ class ModelInfo:
             trainable.append(p.requires_grad)
         for name, m in model.named_modules():
             modules.append(name)
-            classes.append(type(m).__name__)
             if getattr(m, "sparse", False) is True:
                 sparse.append(name)
         return cls(tuple(names), tuple(numels), tuple(sparse), tuple(modules), tuple(sizes),
-                   tuple(trainable), tuple(classes))
+                   tuple(trainable), *_tree_facts(model))
+
+
+def _tree_facts(model: Any) -> tuple:
+    """``module_classes``, ``containers``, ``tied`` and ``no_split`` of :class:`ModelInfo`."""
+    from torch import nn  # the model is a torch module; plan.py itself stays torch-free
+
+    classes, kinds, no_split = [], [], set()
+    for _, m in model.named_modules():
+        mro = type(m).__mro__
+        # fully_shard swaps a module's class for FSDP<cls>(FSDPModule, cls): name the original
+        classes.append(mro[2].__name__ if mro[1].__name__ == "FSDPModule" else mro[0].__name__)
+        kinds.append(next((k.__name__ for k in (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+                           if isinstance(m, k)), ""))
+        no_split.update(getattr(m, "_no_split_modules", None) or ())
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    tied = tuple(tuple(n) for n in aliases.values() if len(n) > 1)
+    return tuple(classes), tuple(kinds), tied, tuple(sorted(no_split))
 
 
 @dataclass(frozen=True)

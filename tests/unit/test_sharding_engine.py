@@ -12,12 +12,13 @@ from fleetx.strategy.api import StrategyError
 
 
 class Net(nn.Module):
-    """Containers of every kind, a parameter-free child and a tied pair."""
+    """Containers of every kind, a parameter-free child and a tied pair; no repeated block (a
+    ModuleList of two modules of one class), so each child is a unit."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(5, 4)
-        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.LayerNorm(4)])
         self.stack = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
         self.heads = nn.ModuleDict({"a": nn.Linear(4, 2)})
         self.act = nn.ReLU()

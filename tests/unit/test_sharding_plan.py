@@ -40,7 +40,8 @@ def test_stages_2_and_3_use_fsdp2_instead_of_data_parallel(stage):
     assert _reason(plan, "sharding") == (
         f"stage {stage}: {what} sharded over 2 ranks (2 sharding groups of 2, replicated over "
         f"data-parallel groups of 2); engine: FSDP2 fully_shard(reshard_after_forward="
-        f"{stage == 3}) per sub-module and the root, no DistributedDataParallel")
+        f"{stage == 3}), no DistributedDataParallel; units: chosen when the model is given to "
+        f"fleet.distributed_model")
 
 
 def test_one_process_has_nothing_to_shard():

@@ -133,6 +133,13 @@ def reads(one_process_group):
             stage = PipelineLayer([nn.Linear(2, 2)], loss_fn=nn.MSELoss(), group=dist.group.WORLD)
             pipeline_model(stage, _strategy({}))
         found |= pipe_reads
+        # sharding_configs['units'] picks the units of stages 2 and 3, which need several
+        # processes (tests/distributed/test_sharding_units.py); the plan reads it to list them
+        # (the planner's own reads, of every setting's value, are not the strategies')
+        with recording_reads() as unit_reads:
+            s = _strategy({"sharding": True, "sharding_configs": {"stage": 3}})
+            make_plan(PlanInput(s, WorldInfo(world_size=2), ModelInfo.of(nn.Linear(2, 2))))
+        found |= {"sharding_configs.units"} & unit_reads
     finally:
         torch.set_num_threads(threads)  # execution_strategy's num_threads
     # tensor_parallel_plan applies with mp_degree > 1 only, which needs several processes

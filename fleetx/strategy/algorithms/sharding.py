@@ -7,9 +7,10 @@ sharded, on PyTorch's own engines (``sharding_engine.py``):
 * stage 1, optimizer state: the inner optimizer becomes a ``ZeroRedundancyOptimizer`` over the
   sharding group (same class, parameter groups and defaults); each rank steps its share of the
   parameters and broadcasts them. The model stays under ``DistributedDataParallel``.
-* stage 2, also gradients: FSDP2 ``fully_shard(reshard_after_forward=False)`` on each
-  sub-module holding parameters and on the root; gradients are reduce-scattered, and the
-  parameters stay gathered from forward to backward.
+* stage 2, also gradients: FSDP2 ``fully_shard(reshard_after_forward=False)`` on each unit
+  (the model's repeated blocks, or ``sharding_configs['units']``: ``fsdp_units.py``) and on
+  the root; gradients are reduce-scattered, and the parameters stay gathered from forward to
+  backward.
 * stage 3, also parameters: ``fully_shard`` with ``reshard_after_forward=True``: each unit's
   parameters are gathered for its forward and its backward, and freed in between.
 
@@ -32,6 +33,7 @@ from typing import Any
 from fleetx.comm.groups import default_timeout
 from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.algorithms.dgc import DGCStrategy
+from fleetx.strategy.algorithms.fsdp_units import describe_units, plan_units
 from fleetx.strategy.algorithms.lamb import LambStrategy
 from fleetx.strategy.algorithms.lars import LarsStrategy
 from fleetx.strategy.algorithms.localsgd import LocalSGDStrategy
@@ -121,6 +123,10 @@ class ShardingConfig(Config):
     stage: int = option(
         1, "What is sharded: 1 optimizer state (ZeroRedundancyOptimizer), 2 also gradients, "
         "3 also parameters (FSDP2 fully_shard).", choices=(1, 2, 3))
+    units: list[str] = option(
+        [], "fleetx: the FSDP2 units of stages 2 and 3, as class names ('GPT2Block') or "
+        "qualified-name globs ('model.layers.*', * within one segment); empty: the model's "
+        "repeated blocks and _no_split_modules, else each child holding parameters.")
 
 
 _SHARDED = {1: "optimizer state", 2: "optimizer state and gradients",
@@ -154,14 +160,24 @@ class ShardingStrategy(Strategy):
         if topo.sharding_degree == 1:
             return Verdict.skip(f"sharding degree 1 on {world.world_size} process(es): nothing "
                                 f"to shard (stage {stage} asked)", warn=True)
-        engine = ("ZeroRedundancyOptimizer, model under DistributedDataParallel" if stage == 1
-                  else f"FSDP2 fully_shard(reshard_after_forward={stage == 3}) per sub-module "
-                       f"and the root, no DistributedDataParallel")
+        try:
+            engine = ("ZeroRedundancyOptimizer, model under DistributedDataParallel" if stage == 1
+                      else f"FSDP2 fully_shard(reshard_after_forward={stage == 3}), no "
+                           f"DistributedDataParallel; {self._units(plan_input)}")
+        except StrategyError as err:  # a units entry the model refuses
+            return Verdict.fail(str(err))
         groups = (f"one sharding group of {topo.sharding_degree}" if topo.dp_degree == 1 else
                   f"{topo.dp_degree} sharding groups of {topo.sharding_degree}, replicated "
                   f"over data-parallel groups of {topo.dp_degree}")
         return Verdict.ok(f"stage {stage}: {_SHARDED[stage]} sharded over "
                           f"{topo.sharding_degree} ranks ({groups}); engine: {engine}")
+
+    def _units(self, plan_input: PlanInput) -> str:
+        """The units of stages 2 and 3 as the plan names them (the model may come later)."""
+        if not plan_input.model.module_names:
+            return "units: chosen when the model is given to fleet.distributed_model"
+        entries = self.strategy.typed_config("sharding").units
+        return "units: " + describe_units(plan_units(plan_input.model, entries))
 
     def footprint(self, plan_input: PlanInput, expected: Any) -> Any:
         """The state of a full copy divided over the sharding group as the stage says."""
@@ -190,7 +206,8 @@ class ShardingStrategy(Strategy):
         if ctx.model is None:
             ctx.step_guards.append(_needs_model(stage))
             return
-        record = shard_in_place(ctx.model, stage, topo.mesh_shape, ctx.world.device)
+        units = self.strategy.typed_config("sharding").units
+        record = shard_in_place(ctx.model, stage, topo.mesh_shape, ctx.world.device, units)
         ctx.forward_contexts.append(
             eval_guard(ctx.model, stage, default_timeout(ctx.world.environ)))
         if ctx.optimizer is not None:

@@ -5,11 +5,12 @@
   and defaults); each rank keeps the state of its share of the parameters, steps them and
   broadcasts them. The model keeps ``DistributedDataParallel`` over the whole world.
 * Stages 2 and 3: :func:`shard_in_place` applies FSDP2 ``fully_shard`` to the user's module, in
-  place: first to each sub-module unit (:func:`sharding_units`), then to the root, so at stage 3
-  a unit's parameters are gathered for its forward and freed after it. Parameters become
-  ``DTensor`` shards; gradients are reduce-scattered, so no DDP runs. :func:`rebound_optimizer`
-  then gives the optimizer the new parameters. Every rank first takes rank 0's parameters and
-  buffers (:func:`broadcast_from_rank0`), so the sharded model starts where DDP's would.
+  place: first to each unit (:func:`sharding_units`: the model's blocks), then to the root, so
+  at stage 3 a unit's parameters are gathered for its forward and freed after it. Parameters
+  become ``DTensor`` shards; gradients are reduce-scattered, so no DDP runs.
+  :func:`rebound_optimizer` then gives the optimizer the new parameters.
+  Every rank first takes rank 0's parameters and buffers (:func:`broadcast_from_rank0`),
+  so the sharded model starts where DDP's would.
 
 Both are idempotent: the fleet re-plans at every ``distributed_model`` / ``distributed_optimizer``
 call, and a second call finds the module already sharded (a record on the module) and the
@@ -21,10 +22,9 @@ import contextlib
 import inspect
 import os
 import re
-from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fleetx.comm.api import Blame, CommError
 from fleetx.comm.groups import current
+from fleetx.strategy.algorithms.fsdp_units import plan_units
 from fleetx.strategy.api import StrategyError
+from fleetx.strategy.plan import ModelInfo
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-__all__ = ["ShardRecord", "sharding_units", "shard_in_place", "broadcast_from_rank0", "eval_guard",
-           "rebound_optimizer", "zero_optimizer", "sharding_group"]
+__all__ = ["ShardRecord", "sharding_units", "shard_in_place", "broadcast_from_rank0",
+           "gathered_bytes", "eval_guard", "rebound_optimizer", "zero_optimizer", "sharding_group"]
 
 # The record a sharded module carries, and the optimizers built for a user's optimizer.
 _RECORD = "_fleetx_sharding"
@@ -58,49 +60,28 @@ class ShardRecord:
     stage: int
     mesh_shape: tuple[int, ...]
     names: Any = field(default_factory=WeakIdKeyDictionary, repr=False)
+    units: tuple[str, ...] = ()  # sharding_configs['units'] when it was sharded
 
 
-# Containers looked through: a ModuleList / ModuleDict is never called, and a model may iterate
-# over a Sequential instead of calling it (FSDP2 gathers a unit in its forward hook, which a
-# loop over the container skips). Their children are called either way.
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def _candidates(module: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module]]:
-    """Children holding parameters, looking through containers."""
-    for name, child in module.named_children():
-        qualified = f"{prefix}{name}"
-        if isinstance(child, _CONTAINERS):
-            yield from _candidates(child, qualified + ".")
-        elif any(True for _ in child.parameters()):
-            yield qualified, child
-
-
-def sharding_units(model: nn.Module) -> list[nn.Module]:
-    """The sub-modules that become FSDP units of their own before the root: each child holding
-    parameters (the children of a ``ModuleList``, ``ModuleDict`` or ``Sequential`` child, which
-    a model may iterate over rather than call).
-
-    A child sharing a parameter with a module outside it (tied embedding and output weights)
-    stays in the root unit: sharding it alone would split the tie into two parameters.
+def sharding_units(model: nn.Module, entries: Sequence[str] = ()) -> list[nn.Module]:
+    """The sub-modules that become FSDP2 units of their own before the root, by the rule of
+    :mod:`~fleetx.strategy.algorithms.fsdp_units`: those ``entries`` name, else the model's
+    repeated blocks (and ``_no_split_modules`` classes), else each child holding parameters;
+    a tied embedding and head stay in the root.
 
     Args:
         model: the user's module (the root unit, not listed).
+        entries: ``sharding_configs['units']`` (class names or qualified-name globs).
+
+    Raises:
+        StrategyError: an entry matches nothing or would split a tie (see ``plan_units``).
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
         >>> [type(u).__name__ for u in sharding_units(m)]
         ['Linear', 'Linear']
     """
-    owners: dict[int, list[str]] = defaultdict(list)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)].append(name)
-    units = []
-    for prefix, child in _candidates(model, ""):
-        inside = prefix + "."
-        if all(n.startswith(inside) for p in child.parameters() for n in owners[id(p)]):
-            units.append(child)
-    return units
+    return [model.get_submodule(u.name) for u in plan_units(ModelInfo.of(model), entries)]
 
 
 def device_mesh(device: str, mesh_shape: tuple[int, int]) -> Any:
@@ -119,7 +100,7 @@ def device_mesh(device: str, mesh_shape: tuple[int, int]) -> Any:
 
 
 def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
-                   device: str) -> ShardRecord:
+                   device: str, units: Sequence[str] = ()) -> ShardRecord:
     """Apply FSDP2 ``fully_shard`` to ``model`` in place (stage 2 keeps the parameters gathered
     from forward to backward, stage 3 frees them after each unit's forward), after giving every
     rank rank 0's parameters and buffers (:func:`broadcast_from_rank0`); a module already
@@ -130,13 +111,14 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
         stage: 2 or 3.
         mesh_shape: ``(dp_degree, sharding_degree)``, see :func:`device_mesh`.
         device: ``"cpu"`` or ``"cuda"``.
+        units: ``sharding_configs['units']``, see :func:`sharding_units`.
 
     Returns:
         The module's :class:`ShardRecord` (the names of its original parameters).
 
     Raises:
         StrategyError: the module was already sharded at another stage or layout (FSDP2 cannot
-            be undone: build a fresh model).
+            be undone: build a fresh model), or ``units`` is refused (:func:`sharding_units`).
     """
     record = model.__dict__.get(_RECORD)
     if record is not None:
@@ -145,17 +127,25 @@ def shard_in_place(model: nn.Module, stage: int, mesh_shape: tuple[int, int],
                 f"sharding: the model was already sharded at stage {record.stage} over a "
                 f"{record.mesh_shape} mesh and is now asked for stage {stage} over "
                 f"{tuple(mesh_shape)}; sharding cannot be undone: wrap a fresh model")
+        if record.units != tuple(units):
+            raise StrategyError(
+                f"sharding: the model was already sharded with sharding_configs['units'] = "
+                f"{list(record.units)} and is now asked for {list(units)}; sharding cannot be "
+                f"undone: wrap a fresh model")
         return record
     from torch.distributed.fsdp import fully_shard  # on use, as ZeroRedundancyOptimizer
 
     broadcast_from_rank0(model)  # start from rank 0's initialisation, as DDP does
 
-    record = ShardRecord(stage, tuple(mesh_shape))
+    record = ShardRecord(stage, tuple(mesh_shape), units=tuple(units))
     for name, p in model.named_parameters():
         record.names[p] = name
     mesh = device_mesh(device, mesh_shape)
     reshard = stage == 3
-    for unit in sharding_units(model):
+    # innermost first: a unit nested in another (named by the user) is sharded before it, so
+    # the outer unit's parameters are only its own
+    chosen = sharding_units(model, units)
+    for unit in sorted(chosen, key=lambda u: -_depth(u, chosen)):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     model.__dict__[_RECORD] = record
@@ -192,6 +182,36 @@ def _init_group(tensor: torch.Tensor) -> Any:
     if tensor.device.type == "cpu" and "gloo" not in str(dist.get_backend()):
         return _own_group("init")
     return None
+
+
+def gathered_bytes(model: nn.Module) -> int:
+    """Bytes of the sharded ``model``'s parameters gathered (unsharded) on this rank now: the
+    figure stage 3 keeps down to the root and one unit (two when FSDP2 prefetches the next)
+    during a forward. Reads FSDP2's per-unit parameter state, a measurement for tests and
+    benchmarks; 0 for a module that is not sharded.
+
+    Args:
+        model: a module :func:`shard_in_place` sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    seen, total = set(), 0
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(
+            module, FSDPModule) else None
+        for param in group.fsdp_params if group is not None else ():
+            for tensor in param.all_gather_outputs:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.size()
+    return total
+
+
+def _depth(unit: nn.Module, chosen: list[nn.Module]) -> int:
+    """How many of the ``chosen`` units hold ``unit`` (0: an outermost one)."""
+    return sum(1 for other in chosen if other is not unit
+               and any(m is unit for m in other.modules()))
 
 
 def eval_guard(model: nn.Module, stage: int, timeout: float) -> Callable[[], ContextManager]:
