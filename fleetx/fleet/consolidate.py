@@ -21,21 +21,29 @@ from torch import nn
 
 __all__ = ["skeleton", "plain_copy"]
 
+_TAKEN = "_fleetx_skeleton"  # the skeleton kept on the module it was taken from
+
 
 def skeleton(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` whose parameters live on the meta device (shared ones stay
-    shared); buffers are copied.
+    shared); buffers are copied. Taken once per module: a module given again (FSDP2 modules,
+    sharded in place, cannot be deep-copied) returns the skeleton of its first time.
 
     Example:
         >>> s = skeleton(torch.nn.Linear(2, 3))
         >>> s.weight.is_meta, s.weight.shape
         (True, torch.Size([3, 2]))
     """
+    taken = module.__dict__.get(_TAKEN)
+    if taken is not None:  # given to fleet.distributed_model again (already sharded in place)
+        return taken
     memo: dict = {}
     for p in module.parameters():  # tied parameters once: the copy ties them too
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"),
                                    requires_grad=p.requires_grad)
-    return copy.deepcopy(module, memo)
+    shape = copy.deepcopy(module, memo)
+    module.__dict__[_TAKEN] = shape  # a plain attribute: not a sub-module, not in state_dict
+    return shape
 
 
 def plain_copy(shape: nn.Module, state: dict, training: bool) -> nn.Module:
