@@ -81,13 +81,16 @@ def _chunks(out: IO[bytes], chunk_bytes: int, silent: Callable[[], Exception],
     """Whole lines as they come: a chunk grows to ``chunk_bytes`` while output keeps flowing,
     and is handed on as soon as the command pauses (a slow generator's lines are not held back
     until a full chunk is there). ``silent()`` is raised after ``timeout`` s without output."""
+    # poll, not select: a process with more than 1024 open files still reads its pipes
+    poller = select.poll()
+    poller.register(out, select.POLLIN | select.POLLHUP | select.POLLERR)
     line, rest, ended = 1, b"", False
     while not ended:
-        if timeout is not None and not select.select([out], [], [], timeout)[0]:
+        if timeout is not None and not poller.poll(timeout * 1000):
             raise silent()
         parts = [rest, out.read1(chunk_bytes)]  # output (or its end) is there
         size, ended = sum(map(len, parts)), not parts[1]
-        while not ended and size < chunk_bytes and select.select([out], [], [], 0)[0]:
+        while not ended and size < chunk_bytes and poller.poll(0):
             parts.append(out.read1(chunk_bytes - size))
             size, ended = size + len(parts[-1]), not parts[-1]
         data = b"".join(parts)

@@ -12,6 +12,7 @@ import copy
 import functools
 import sys
 import warnings
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -25,10 +26,9 @@ from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
 from fleetx.fleet.export import ExportCalls
 from fleetx.fleet.hybrid import HybridQueries
 from fleetx.fleet.memory import MemoryQueries
-from fleetx.fleet.model import DistributedModel
+from fleetx.fleet.model import DistributedModel, state_dict_entry
 from fleetx.fleet.optimizer import DistributedOptimizer
 from fleetx.fleet.trial import apply_plan, run_trial
-from fleetx.parallel.api import is_dtensor
 from fleetx.role_maker import PaddleCloudRoleMaker, RoleMakerBase
 from fleetx.fleet.util import UtilBase
 from fleetx.strategy.api import (Mode, Plan, StrategyError, TrainingContext, WorldInfo,
@@ -37,6 +37,18 @@ from fleetx.strategy.distributed_strategy import DistributedStrategy
 from fleetx.strategy.planner import load_strategies, plan_for
 
 __all__ = ["Fleet", "FleetError", "RuntimeHandlerError"]
+
+
+def _shutdown_at_exit(fleet: "Fleet") -> None:
+    """Leave the world at exit without keeping the fleet alive: a fleet dropped earlier (a new
+    ``Fleet()`` in the same process) frees its process groups and their sockets with it."""
+    ref = weakref.ref(fleet)
+
+    def shutdown() -> None:
+        live = ref()
+        if live is not None:
+            live._shutdown()
+    atexit.register(shutdown)
 
 class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, CheckpointCalls,
             ExportCalls, HybridQueries):
@@ -176,7 +188,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             self._comm = ProcessGroups.join(rm._worker_index(), rm._worker_num(),
                                            rm._get_trainer_endpoints(), backend=self._backend,
                                            master=rm._get_master())
-            atexit.register(self._shutdown)
+            _shutdown_at_exit(self)
             if not rm._get_trainer_endpoints():
                 rm._set_trainer_endpoints(self._comm.endpoints)
         return self._comm
@@ -185,7 +197,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         """A one-process collective job gets a one-rank default group, as under torchrun."""
         if join_alone(self._backend):
             self._alone = True
-            atexit.register(self._shutdown)
+            _shutdown_at_exit(self)
 
     def _shutdown(self) -> None:
         """Leave the world: destroy the process groups and release the store (also at exit)."""
@@ -291,8 +303,9 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         wrapped = DistributedModel(model, self._context)
         # before a strategy changes the model in place: what consolidated_model rebuilds
         self._skeletons[id(wrapped)] = consolidate.skeleton(model)
-        wrapped.register_state_dict_pre_hook(self._state_dict_entry)
-        wrapped.__dict__["_enter_collective"] = self._enter  # save_pretrained's entry
+        # the entry of save_pretrained and of a sharded state_dict (a copy drops it)
+        wrapped.__dict__["_enter_collective"] = self._enter
+        wrapped.register_state_dict_pre_hook(state_dict_entry)
         self._models.append(wrapped)
         self._ctx = None  # re-plan with the model known
         if self._dist_optimizer is not None:
@@ -330,12 +343,6 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._enter("fleet.consolidated_model")
         state = wrapped.state_dict()
         return consolidate.plain_copy(self._skeletons[id(wrapped)], state, wrapped.training)
-
-    def _state_dict_entry(self, wrapped: torch.nn.Module, *_: Any) -> None:
-        """``state_dict`` of a sharded model gathers its parameters, a collective: the entry
-        names a rank that does not call it (``if rank == 0: torch.save(model.state_dict())``)."""
-        if any(is_dtensor(p) for p in wrapped.module.parameters()):
-            self._enter("model.state_dict")
 
     def _shapes_model(self) -> bool:
         """Whether an applied strategy changes the model in place (a dry run changes

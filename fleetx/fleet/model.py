@@ -18,7 +18,16 @@ from torch import nn
 
 from fleetx.parallel.api import is_dtensor
 
-__all__ = ["DistributedModel"]
+__all__ = ["DistributedModel", "state_dict_entry"]
+
+
+def state_dict_entry(wrapped: nn.Module, *_: Any) -> None:
+    """``state_dict`` of a sharded model gathers its parameters, a collective: the fleet's
+    entry names a rank that does not call it (``if rank == 0: torch.save(model.state_dict())``).
+    A copy of the model (``copy.deepcopy``, ``torch.save``) carries no entry and checks nothing."""
+    enter = wrapped.__dict__.get("_enter_collective")
+    if enter is not None and any(is_dtensor(p) for p in wrapped.module.parameters()):
+        enter("model.state_dict")
 
 
 class DistributedModel(nn.Module):

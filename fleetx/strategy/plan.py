@@ -109,15 +109,20 @@ class ModelInfo:
                    tuple(trainable), *_tree_facts(model))
 
 
+def module_class_name(module: Any) -> str:
+    """The class name a module was written as: ``fully_shard`` swaps a module's class for
+    ``FSDP<cls>(FSDPModule, cls)``, and a name given by the user is the original's."""
+    mro = type(module).__mro__
+    return mro[2].__name__ if len(mro) > 2 and mro[1].__name__ == "FSDPModule" else mro[0].__name__
+
+
 def _tree_facts(model: Any) -> tuple:
     """``module_classes``, ``containers``, ``tied`` and ``no_split`` of :class:`ModelInfo`."""
     from torch import nn  # the model is a torch module; plan.py itself stays torch-free
 
     classes, kinds, no_split = [], [], set()
     for _, m in model.named_modules():
-        mro = type(m).__mro__
-        # fully_shard swaps a module's class for FSDP<cls>(FSDPModule, cls): name the original
-        classes.append(mro[2].__name__ if mro[1].__name__ == "FSDPModule" else mro[0].__name__)
+        classes.append(module_class_name(m))
         kinds.append(next((k.__name__ for k in (nn.ModuleList, nn.ModuleDict, nn.Sequential)
                            if isinstance(m, k)), ""))
         no_split.update(getattr(m, "_no_split_modules", None) or ())

@@ -92,3 +92,24 @@ def test_a_model_with_its_own_gradient_checkpointing_is_refused():
     assert "model.activation_checkpointing_disable()" in text and "strategy.recompute" in text
     net.activation_checkpointing_disable()
     assert checkpoint_modules(net, ["GPT2Block"]) is net
+
+
+def test_a_class_name_selects_blocks_fully_shard_has_swapped():
+    """fully_shard swaps a block's class for FSDP<cls>(FSDPModule, cls): the block is still
+    selected by the class name it was written as, and no other."""
+    from torch.distributed.fsdp import FSDPModule
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    net = torch.nn.Sequential(Block(), Block())
+    net[0].__class__ = type("FSDPBlock", (FSDPModule, Block), {})  # as fully_shard does
+    checkpoint_modules(net, ["Block"])
+    assert [isinstance(m.__dict__.get("forward"), _RecomputedForward) for m in net] == [True, True]
+    with pytest.raises(ValueError, match="names no module 'FSDPBlock'"):
+        checkpoint_modules(torch.nn.Sequential(Block()), ["FSDPBlock"])

@@ -51,7 +51,8 @@ DEFAULTS = {
         "segment_anchors": [], "sharding_degree": 8, "mp_degree": 1, "dp_degree": 1,
         "hybrid_dp": False, "gradient_merge_acc_step": 1, "optimize_offload": False,
         "pp_allreduce_in_optimize": False, "pp_degree": 1, "optimize_cast": False,
-        "_dp_as_optimizer_sharding": False, "stage": 1},  # stage: a later Paddle field
+        "_dp_as_optimizer_sharding": False, "stage": 1,  # stage: a later Paddle field
+        "units": []},  # units: a fleetx key (docs/differences.md)
     "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
     "tensor_parallel_configs": {"tensor_parallel_degree": 1, "tensor_init_seed": -1},
     "trainer_desc_configs": {"dump_fields_path": "", "dump_fields": [], "dump_param": [],

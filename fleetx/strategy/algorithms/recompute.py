@@ -38,6 +38,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
 from fleetx.strategy.algorithms.sync_batch_norm import SyncBatchNormStrategy
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
+from fleetx.strategy.plan import module_class_name
 from fleetx.strategy.config import Config, option
 
 __all__ = ["RecomputeConfig", "RecomputeStrategy", "recompute", "checkpoint_modules",
@@ -228,7 +229,7 @@ def checkpoint_modules(model: nn.Module, entries: Sequence[str]) -> nn.Module:
         ['_RecomputedForward', '_RecomputedForward']
     """
     modules = dict(model.named_modules())
-    chosen, error = select_modules(list(modules), [type(m).__name__ for m in modules.values()],
+    chosen, error = select_modules(list(modules), [module_class_name(m) for m in modules.values()],
                                    entries)
     if error:
         raise ValueError(error)
