@@ -153,16 +153,22 @@ class Roster:
         log.error("%s: %s", self.name, err)
         self._on_change()
 
+    def registration_wait(self) -> float:
+        """How long after its start the server waits for every worker: ``timeout`` and a quarter
+        more, so that a worker held up by another server (unreachable, or refusing it) gives up
+        first and names that server; the server's own "did not connect" comes after."""
+        return self.config.timeout * 1.25
+
     def check_registration(self, now: float) -> None:
-        """Ranks not connected ``timeout`` seconds after the start are lost."""
-        if now - self.started < self.config.timeout or \
-                len(self.workers) == len(self.registering()):
+        """Ranks not connected :meth:`registration_wait` seconds after the start are lost."""
+        wait = self.registration_wait()
+        if now - self.started < wait or len(self.workers) == len(self.registering()):
             return
         for rank in self.registering():
             if rank not in self.workers:
                 self.workers[rank] = Worker(rank, f"worker {rank}", None)
                 self.mark_lost(self.workers[rank], "did not connect within "
-                               f"{self.config.timeout:.0f} s")
+                               f"{wait:g} s")
 
     def expected(self, rounds: bool = False) -> list[int]:
         """Trainer ranks a barrier (or, with ``rounds``, a sync round) must hear from: all

@@ -5,7 +5,9 @@ blocks) trains 3 steps of momentum SGD on mini-batches of 8 sequences under dp 2
 dp 2 x pp 2, mp 2 x pp 2 and mp 4, all in one spawn (``fleet.init`` again for each layout). Tensor
 parallelism puts the blocks' linears in ``ColumnParallelLinear`` / ``RowParallelLinear``
 (seeded like the unsplit ``nn.Linear``); the pipelines are ``PipelineLayer``s with the
-embedding a ``SharedLayerDesc`` on both stages; data parallelism gives each replica half of
+embedding a ``SharedLayerDesc`` on both stages; once more under mp 2 x pp 2, the stages hold plain
+``nn.Linear`` blocks that ``fleet.meta_parallel.parallelize`` splits by a plan (a tensor-parallel
+plan composes with the pipeline); data parallelism gives each replica half of
 every mini-batch. Each layout trains twice: plainly, and with
 ``fleet.distributed_optimizer(opt).clip_grad_norm_`` before every step (called from a step
 pre-hook under ``train_batch``), with a max norm below every step's norm so the clipping acts.
@@ -35,7 +37,9 @@ MAX_NORM, TOL = 0.05, 1e-5
 
 pytestmark = pytest.mark.slow
 LAYOUTS = {"dp2_mp2": (2, 2, 1), "dp2_pp2": (2, 1, 2), "mp2_pp2": (1, 2, 2),
-           "mp4": (1, 4, 1)}  # dp, mp, pp
+           "mp4": (1, 4, 1), "mp2_pp2_plan": (1, 2, 2)}  # dp, mp, pp
+# the stages' blocks (PipelineLayer names its layers by their index) split by a plan instead
+PLAN = {"*.fc1": "colwise", "*.fc2": "rowwise"}
 RUNS = {"plain": None, "clip": 2.0, "clip_inf": float("inf")}  # run -> clipping norm type
 
 
@@ -120,7 +124,10 @@ def _train_layout(rank: int, layout: str, norm_type) -> dict:
         strategy.pipeline_configs = {"micro_batch_size": local // 2, "accumulate_steps": 2}
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
-    if pp > 1:
+    if layout.endswith("_plan"):  # plain blocks, split by fleet.meta_parallel.parallelize
+        pipe = PipelineLayer(pipeline_layers(False), loss_fn=lm_loss)
+        model = fleet.distributed_model(fleet.meta_parallel.parallelize(pipe, PLAN))
+    elif pp > 1:
         model = fleet.distributed_model(PipelineLayer(pipeline_layers(mp > 1), loss_fn=lm_loss))
     else:
         model = fleet.distributed_model(LM(mp=mp > 1))
