@@ -50,6 +50,7 @@ def _shutdown_at_exit(fleet: "Fleet") -> None:
             live._shutdown()
     atexit.register(shutdown)
 
+
 class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, CheckpointCalls,
             ExportCalls, HybridQueries):
     """One process's view of a distributed job.

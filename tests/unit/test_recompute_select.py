@@ -111,5 +111,7 @@ def test_a_class_name_selects_blocks_fully_shard_has_swapped():
     net[0].__class__ = type("FSDPBlock", (FSDPModule, Block), {})  # as fully_shard does
     checkpoint_modules(net, ["Block"])
     assert [isinstance(m.__dict__.get("forward"), _RecomputedForward) for m in net] == [True, True]
-    with pytest.raises(ValueError, match="names no module 'FSDPBlock'"):
-        checkpoint_modules(torch.nn.Sequential(Block()), ["FSDPBlock"])
+    swapped = torch.nn.Sequential(Block())
+    swapped[0].__class__ = net[0].__class__
+    with pytest.raises(ValueError, match="names no module 'FSDPBlock'"):  # not by FSDP's name
+        checkpoint_modules(swapped, ["FSDPBlock"])
