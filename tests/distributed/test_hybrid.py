@@ -5,9 +5,8 @@ blocks) trains 3 steps of momentum SGD on mini-batches of 8 sequences under dp 2
 dp 2 x pp 2, mp 2 x pp 2 and mp 4, all in one spawn (``fleet.init`` again for each layout). Tensor
 parallelism puts the blocks' linears in ``ColumnParallelLinear`` / ``RowParallelLinear``
 (seeded like the unsplit ``nn.Linear``); the pipelines are ``PipelineLayer``s with the
-embedding a ``SharedLayerDesc`` on both stages; once more under mp 2 x pp 2, the stages hold plain
-``nn.Linear`` blocks that ``fleet.meta_parallel.parallelize`` splits by a plan (a tensor-parallel
-plan composes with the pipeline); data parallelism gives each replica half of
+embedding a ``SharedLayerDesc`` on both stages (``test_hybrid_plan.py`` trains mp 2 x pp 2 once
+more with the stages' plain blocks split by a plan, in the default stage); data parallelism gives each replica half of
 every mini-batch. Each layout trains twice: plainly, and with
 ``fleet.distributed_optimizer(opt).clip_grad_norm_`` before every step (called from a step
 pre-hook under ``train_batch``), with a max norm below every step's norm so the clipping acts.
@@ -37,9 +36,9 @@ MAX_NORM, TOL = 0.05, 1e-5
 
 pytestmark = pytest.mark.slow
 LAYOUTS = {"dp2_mp2": (2, 2, 1), "dp2_pp2": (2, 1, 2), "mp2_pp2": (1, 2, 2),
-           "mp4": (1, 4, 1), "mp2_pp2_plan": (1, 2, 2)}  # dp, mp, pp
-# the stages' blocks (PipelineLayer names its layers by their index) split by a plan instead
-PLAN = {"*.fc1": "colwise", "*.fc2": "rowwise"}
+           "mp4": (1, 4, 1)}  # dp, mp, pp (test_hybrid_plan.py: mp2_pp2_plan, default stage)
+# mp2_pp2_plan: the stages' blocks (PipelineLayer names its layers by their index) split by a plan
+PLAN, PLAN_LAYOUT = {"*.fc1": "colwise", "*.fc2": "rowwise"}, (1, 2, 2)
 RUNS = {"plain": None, "clip": 2.0, "clip_inf": float("inf")}  # run -> clipping norm type
 
 
@@ -116,7 +115,7 @@ def _train_layout(rank: int, layout: str, norm_type) -> dict:
 
     from fleetx import fleet
     from fleetx.fleet.meta_parallel import PipelineLayer
-    dp, mp, pp = LAYOUTS[layout]
+    dp, mp, pp = PLAN_LAYOUT if layout == "mp2_pp2_plan" else LAYOUTS[layout]
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": dp, "mp_degree": mp, "pp_degree": pp}
     local = BATCH // dp
@@ -124,7 +123,7 @@ def _train_layout(rank: int, layout: str, norm_type) -> dict:
         strategy.pipeline_configs = {"micro_batch_size": local // 2, "accumulate_steps": 2}
     fleet.init(is_collective=True, strategy=strategy)
     hcg = fleet.get_hybrid_communicate_group()
-    if layout.endswith("_plan"):  # plain blocks, split by fleet.meta_parallel.parallelize
+    if layout == "mp2_pp2_plan":  # plain blocks, split by fleet.meta_parallel.parallelize
         pipe = PipelineLayer(pipeline_layers(False), loss_fn=lm_loss)
         model = fleet.distributed_model(fleet.meta_parallel.parallelize(pipe, PLAN))
     elif pp > 1:
@@ -209,8 +208,13 @@ def _layout_cases() -> list:
 
 @pytest.mark.parametrize("layout,run", _layout_cases())
 def test_hybrid_layout_trains_like_the_plain_model(ranks, layout, run):
+    check_layout([r[(layout, run)] for r in ranks], run)
+
+
+def check_layout(got: list, run: str) -> None:
+    """The ranks' results of one layout and run (``got``, in rank order) equal the unsplit
+    model's: losses (the mean over the replicas), clipped norms and merged weights."""
     ref = reference(RUNS[run])
-    got = [r[(layout, run)] for r in ranks]
     replicas = {}  # every rank of a replica (stages, model-parallel ranks) has its loss
     for r in got:
         replicas.setdefault(r["coord"][0], []).append(r["losses"])
