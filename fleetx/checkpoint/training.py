@@ -15,7 +15,8 @@ Layout of the save folder (``path/save-<id>/``)::
                                   its copy of each replicated tensor whose copies differ
                                   between ranks)
     fleetx.json                   rank 0: format, world size, applied strategies, ``extra``
-    strategy-rank<r>.json         rank r: each strategy's state, tensors as references
+    strategy-rank<r>.json         rank r: each strategy's state, tensors as references, and
+                                  the position of each data loader (``loaders``)
 
 What is global and what is per rank:
 
@@ -35,6 +36,10 @@ What is global and what is per rank:
   (``minimize`` returned True) to resume at another world size without losing micro-steps.
   Under FSDP2 (sharding stages 2 and 3) the gradients of an unfinished merge are kept
   outside the sharded parameters, so a save there is refused.
+* data loader positions (``fleet.distributed_loader``): per rank, in the loaders' creation
+  order. At the same world size each rank loads its own (torchdata's state with it); at another
+  every rank loads rank 0's epoch and sample count, which all saving ranks must share, and the
+  new ranks split the rest of the epoch (:mod:`fleetx.data.loader`).
 * strategies applied now but absent from the checkpoint keep their fresh state; state of
   strategies not applied now is ignored, and so is state a strategy creates only with the
   engine at the first forward (data parallel's traffic counters, a diagnostic) when loading
