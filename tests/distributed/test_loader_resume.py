@@ -74,9 +74,11 @@ def killed(tmp_path_factory):
         if workers not in _KILLED:
             tmp = tmp_path_factory.mktemp(f"loader{workers}")
             reference = _run(_mk(tmp / "ref"), 2, "ref", tmp / "unused", workers)
-            with pytest.raises(ProcessExitedException, match="SIGKILL"):
+            # rank 1's SIGKILL, or rank 0 failing at the all-reduce rank 1 left: whichever the
+            # harness sees first
+            with pytest.raises(ProcessExitedException):
                 _run(_mk(tmp / "kill"), 2, "kill", tmp / "ckpt", workers)
-            assert not (tmp / "kill" / "rank1.pt").exists()
+            assert not any((tmp / "kill").iterdir())  # neither rank finished
             _KILLED[workers] = tmp / "ckpt", reference
         return _KILLED[workers]
     return get
