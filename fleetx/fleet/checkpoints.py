@@ -50,7 +50,8 @@ class CheckpointCalls:
 
         Parameters, optimizer moments and step counts are saved through
         ``torch.distributed.checkpoint`` (each rank writes its share); strategy state (loss
-        scale, Local SGD counters, DGC buffers, gradients still being merged) per rank. The
+        scale, Local SGD counters, DGC buffers, gradients still being merged) and the position
+        of each loader of :meth:`distributed_loader` per rank. The
         save is committed with a manifest of SHA-256 hashes: saving again to the same folder
         replaces the checkpoint atomically, and a crash during a save leaves the previous one.
 
@@ -86,7 +87,9 @@ class CheckpointCalls:
         stage): parameters, optimizer moments, step counts and the loss scale exactly. Per-rank
         state: at the same world size each rank loads its own; at another, every rank takes
         rank 0's counters and per-rank tensors (DGC residuals and momentum, gradients being
-        merged) start afresh (see :mod:`fleetx.checkpoint.training`).
+        merged) start afresh (see :mod:`fleetx.checkpoint.training`). Each loader of
+        :meth:`distributed_loader` continues where it stood; at another world size the rest of
+        its epoch is split among the new ranks.
 
         Returns:
             The ``extra`` dict given to :meth:`save_checkpoint` (``{}`` if none).
@@ -95,7 +98,10 @@ class CheckpointCalls:
             FleetError: called before ``fleet.distributed_model``.
             fleetx.comm.CommError: another rank did not call it (as for :meth:`save_checkpoint`).
             fleetx.checkpoint.CheckpointError: no checkpoint in ``path``, or a damaged or
-                missing file ("checksum mismatch" naming it; nothing is loaded).
+                missing file ("checksum mismatch" naming it; nothing is loaded), or data loader
+                positions that do not fit the loaders built (another number of them, another
+                dataset length, shuffle or seed; ranks that stood at different positions, at
+                another world size).
 
         Example:
             >>> step = fleet.load_checkpoint("ckpt")["step"]
@@ -104,6 +110,7 @@ class CheckpointCalls:
         self._enter("fleet.load_checkpoint")
         extra = _training().load(path, ts)
         self._steps_taken = self._saved_at = ts.steps
+        self._loaded_loaders(ts.saved_loaders)
         self._record()
         return extra
 
@@ -120,8 +127,9 @@ class CheckpointCalls:
         :meth:`save_checkpoint` when the optimizer next clears the gradients (in ``minimize``
         right after the step), so the checkpoint holds no gradient. Write the loop over steps
         from the returned value, with batches chosen by step, and the resumed run equals an
-        uninterrupted one. Not saved: the data loader's position and an LR scheduler's state
-        (derive them from the step).
+        uninterrupted one. The position of every loader built with :meth:`distributed_loader`
+        before this call is saved and restored too; not saved: an LR scheduler's state
+        (derive it from the step).
 
         Args:
             path: the checkpoint folder (created at the first save).
@@ -213,4 +221,5 @@ class CheckpointCalls:
             module=self._models[-1].module,
             optimizer=optimizer.inner if optimizer is not None else None,
             strategy_state=ctx.state, rank=rm._worker_index(), world_size=rm._worker_num(),
-            strategies=tuple(self.applied_strategies()))
+            strategies=tuple(self.applied_strategies()),
+            loaders=self._loaders)

@@ -25,6 +25,7 @@ from fleetx.fleet.checkpoints import CheckpointCalls
 from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
 from fleetx.fleet.export import ExportCalls
 from fleetx.fleet.hybrid import HybridQueries
+from fleetx.fleet.loaders import LoaderCalls
 from fleetx.fleet.memory import MemoryQueries
 from fleetx.fleet.model import DistributedModel, state_dict_entry
 from fleetx.fleet.optimizer import DistributedOptimizer
@@ -52,7 +53,7 @@ def _shutdown_at_exit(fleet: "Fleet") -> None:
 
 
 class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, CheckpointCalls,
-            ExportCalls, HybridQueries):
+            ExportCalls, HybridQueries, LoaderCalls):
     """One process's view of a distributed job.
 
     Example:
@@ -138,6 +139,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._claimed = []
         self._optimizer, self._dist_optimizer = None, None
         self._warned = set()
+        self._loaders, self._unrestored_loaders = (), 0
         if role_maker.is_collective:
             # nccl (one GPU per process) whenever CUDA is usable, also for a 1-process job.
             self._backend = pick_backend()
