@@ -39,6 +39,7 @@ class SaveHandle:
         self._finished = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        self._raised = False  # wait() raised the error: the fleet does not raise it again
 
     def done(self) -> bool:
         """True once the save has finished, committed or failed.
@@ -69,10 +70,18 @@ class SaveHandle:
             raise CheckpointError(f"the asynchronous save to {self.path} did not finish within "
                                   f"{timeout} s", self.path)
         if self._error is not None:
+            self._raised = True
             error = self._error
             path = getattr(error, "path", None) or self.path
             raise CheckpointError(f"the save to {self.path} failed: {error}", path) from error
         return self._result
+
+    def settle(self) -> None:
+        """Wait until the save has finished; raise its error unless :meth:`wait` raised it
+        already (what the fleet calls before the next save, a load, and at exit)."""
+        self._finished.wait()
+        if not self._raised:
+            self.wait()
 
     def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
         self._result, self._error = result, error

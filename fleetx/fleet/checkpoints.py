@@ -273,10 +273,11 @@ class CheckpointCalls:
         self._record()
 
     def _wait_for_save(self) -> None:
-        """Wait for the pending asynchronous save; raise its error (once)."""
+        """Wait for the pending asynchronous save; raise its error, unless its handle's
+        ``wait()`` raised it already."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.wait()
+            pending.settle()
 
     def _wait_at_exit(self) -> None:
         """At the exit of the process, wait for a pending save (once registered per fleet,
