@@ -6,6 +6,11 @@ FSDP2-sharded or with a ZeRO optimizer) loads into M processes under any of thos
 are committed with this package's manifest (:class:`~fleetx.checkpoint.manifest.SaveWriter`):
 every file's SHA-256, one save id, an atomic rename as commit point.
 
+A save is two steps: :func:`stage` (the collective part, in the call: the save id, this rank's
+share of the state, copied to CPU memory for an asynchronous save) and :func:`write` (the
+files, their hashes and the commit, whose collectives run on the group the stage names, so that
+it may run on a background thread). Per-rank state to save goes into the staged record.
+
 Layout of the save folder (``path/save-<id>/``)::
 
     .metadata, __<r>_0.distcp     DCP: "model.<name>", "optim.state.<name>.<key>",

@@ -137,3 +137,12 @@ def test_auto_checkpoint_with_keep_last_resumes_to_the_same_parameters(tmp_path,
     f, model, opt = job(seed=1)
     assert run(f, model, opt, 8) == 4
     assert same(model, reference)
+
+
+def test_the_docstring_examples_of_the_new_modules_run():
+    import doctest
+
+    from fleetx.checkpoint import background, rotation
+    for module in (background, rotation):
+        failures, tried = doctest.testmod(module)
+        assert failures == 0 and tried >= 3, module.__name__
