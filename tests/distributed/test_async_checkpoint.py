@@ -2,13 +2,15 @@
 second save waits for the first, keep_last keeps the newest 2, the exit of the process waits
 for a pending save (each rank returns right after the call), and a rank killed (SIGKILL) while
 its background write is under way leaves the previous checkpoint loadable, with the error
-naming the folder on the rank that survived."""
+naming the folder on the rank that survived. Slow stage: ZeRO, FSDP2 and Local SGD saved
+asynchronously load back to the state at the call."""
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -113,3 +115,33 @@ def test_a_rank_killed_during_the_background_write_leaves_the_previous_checkpoin
     first = torch.load(tmp_path / "first.pt")
     assert all(torch.equal(v, first[k]) for k, v in model.state_dict().items())
     assert len(list(ckpt.glob("save-*"))) == 2  # the committed save and the killed one
+
+
+def _sharded(rank, world, out):
+    from test_sharded_checkpoint import batches, build, train
+    data = batches(4)
+    results = {}
+    for case, kwargs in (("stage1", {"stage": 1}), ("stage3", {"stage": 3}),
+                         ("localsgd", {"stage": 0, "localsgd": True})):
+        f, model, opt = build(**kwargs)
+        train(model, opt, data[:3], rank, world)  # Local SGD: the ranks' copies differ now
+        at_call = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = f.save_checkpoint(os.path.join(out, case, "a"), async_save=True)
+        train(model, opt, data[3:], rank, world)  # trains while it writes
+        handle.wait()
+        g, fresh, _ = build(seed=5, **kwargs)
+        g.load_checkpoint(os.path.join(out, case, "a"))
+        results[case] = {"at_call": at_call, "loaded": fresh.state_dict()}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_sharded_and_diverging_replicas_save_asynchronously_to_the_state_at_the_call(tmp_path):
+    """ZeRO (stage 1), FSDP2 (stage 3) and Local SGD (each rank's own copy, found by hashes
+    exchanged on the checkpoint group): the asynchronous save loads back to the state at the
+    call on every rank."""
+    results = spawn.run_and_load(_sharded, 2, tmp_path, deadline=240)
+    for rank, result in enumerate(results):
+        for case, got in result.items():
+            assert spawn.max_diff(got["at_call"], got["loaded"]) == 0, (rank, case)
+    assert spawn.max_diff(results[0]["localsgd"]["at_call"], results[1]["localsgd"]["at_call"]) > 0
