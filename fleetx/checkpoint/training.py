@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -247,7 +248,11 @@ def _attempt(fn: Callable[[], None]) -> Optional[tuple]:
         fn()
     except CheckpointError as e:
         return str(e), e.path
-    except (OSError, RuntimeError) as e:  # DCP's CheckpointException is a RuntimeError
+    except CheckpointException as e:  # a BaseException, the same on every rank
+        causes = "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).strip()}"
+                           for rank, (exc, _) in sorted(e.failures.items()))
+        return f"torch.distributed.checkpoint could not write the files ({causes})", None
+    except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}", None
     return None
 
