@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ from fleetx.checkpoint.records import decode, encode, local, tensor_templates
 from fleetx.optim.wrapper import OptimizerWrapper
 
 __all__ = ["TrainingState", "StagedSave", "save", "stage", "write", "load", "FORMAT"]
+
+log = logging.getLogger("fleetx.checkpoint")
 
 #: format of ``fleetx.json``; a reader refuses any other
 FORMAT = 1
@@ -227,7 +230,10 @@ def write(staged: StagedSave) -> Manifest:
         except CheckpointError as e:
             error = (str(e), e.path)
         if manifest is not None and s.on_commit is not None:
-            s.on_commit()
+            try:
+                s.on_commit()
+            except Exception as e:  # noqa: BLE001 - committed: a failed clean-up costs space
+                log.warning("checkpoint %s: after the commit: %s", s.writer.dirname, e)
     _raise_any(s, error)
     return manifest if manifest is not None else Checkpoint(s.writer.dirname).manifest
 
