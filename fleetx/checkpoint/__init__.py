@@ -20,8 +20,9 @@ writes one consolidated weights file under the plain model's keys, from any layo
 same write-then-rename discipline.
 """
 from fleetx.checkpoint.api import CheckpointError, FileEntry, Manifest
+from fleetx.checkpoint.background import SaveHandle
 from fleetx.checkpoint.manifest import Checkpoint, SaveWriter, new_save_id
 from fleetx.checkpoint.rotation import has_checkpoint
 
 __all__ = ["CheckpointError", "FileEntry", "Manifest", "Checkpoint", "SaveWriter",
-           "has_checkpoint", "new_save_id"]
+           "has_checkpoint", "new_save_id", "SaveHandle"]
