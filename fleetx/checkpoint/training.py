@@ -6,6 +6,11 @@ FSDP2-sharded or with a ZeRO optimizer) loads into M processes under any of thos
 are committed with this package's manifest (:class:`~fleetx.checkpoint.manifest.SaveWriter`):
 every file's SHA-256, one save id, an atomic rename as commit point.
 
+A save is two steps: :func:`stage` (the collective part, in the call: the save id, this rank's
+share of the state, copied to CPU memory for an asynchronous save) and :func:`write` (the
+files, their hashes and the commit, whose collectives run on the group the stage names, so that
+it may run on a background thread). Per-rank state to save goes into the staged record.
+
 Layout of the save folder (``path/save-<id>/``)::
 
     .metadata, __<r>_0.distcp     DCP: "model.<name>", "optim.state.<name>.<key>",
@@ -50,14 +55,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -70,7 +77,9 @@ from fleetx.checkpoint.manifest import Checkpoint, SaveWriter
 from fleetx.checkpoint.records import decode, encode, local, tensor_templates
 from fleetx.optim.wrapper import OptimizerWrapper
 
-__all__ = ["TrainingState", "save", "load", "FORMAT"]
+__all__ = ["TrainingState", "StagedSave", "save", "stage", "write", "load", "FORMAT"]
+
+log = logging.getLogger("fleetx.checkpoint")
 
 #: format of ``fleetx.json``; a reader refuses any other
 FORMAT = 1
@@ -112,8 +121,39 @@ class TrainingState:
     saved_loaders: int = 0
 
 
+@dataclass
+class StagedSave:
+    """One rank's part of a save, held in memory: what :func:`write` puts into the files.
+
+    :func:`stage` makes it in the call (the collective part); :func:`write` writes, hashes and
+    commits it, in the call (a synchronous save) or on a background thread (an asynchronous
+    one, whose tensors are then copies, since training changes the live ones in place).
+
+    Attributes:
+        writer: the files of the save (one save id on every rank).
+        state: the tensors DCP writes (model, optimizer, this rank's own tensors).
+        record: this rank's ``strategy-rank<r>.json`` (tensors as references into ``state``).
+        meta: ``fleetx.json`` on rank 0, None on the others.
+        rank, world_size: this process in the job.
+        group: the process group of the write's collectives (None: the default group).
+        on_commit: run on rank 0 once the manifest is committed (keep_last's rotation).
+    """
+
+    writer: SaveWriter
+    state: dict
+    record: dict
+    meta: Optional[dict]
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+    on_commit: Optional[Callable[[], None]] = None
+
+
 def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manifest:
     """Save ``ts`` into folder ``path``, replacing its checkpoint atomically (every rank calls).
+
+    The same as ``write(stage(path, ts, extra))``: nothing is copied, the files are written
+    from the live tensors before it returns.
 
     Args:
         path: the checkpoint folder (created if needed).
@@ -127,10 +167,31 @@ def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manif
         TypeError: ``extra`` is not a dict that JSON can encode (nothing is written).
         CheckpointError: a file cannot be written or committed (the previous checkpoint stays).
     """
+    return write(stage(path, ts, extra))
+
+
+def stage(path: str, ts: TrainingState, extra: Optional[Mapping] = None,
+          stager: Any = None, group: Any = None) -> StagedSave:
+    """The collective part of a save (every rank calls): check, join the save rank 0 starts,
+    and take this rank's share of the state, copied to CPU memory when a ``stager`` is given.
+
+    Args:
+        path: the checkpoint folder (created if needed).
+        ts: what to save.
+        extra: a JSON-able dict stored beside.
+        stager: a ``torch.distributed.checkpoint.staging`` stager whose ``stage`` returns a
+            copy (kept between saves, it reuses its buffers), or None to write the live tensors.
+        group: the process group :func:`write` will use (None: the default group).
+
+    Raises:
+        TypeError: ``extra`` is not a JSON-able dict (nothing is written).
+        CheckpointError: sharding stage 2 or 3 holds unsynchronised gradients, or the folder
+            cannot be created.
+    """
     extra = _checked_extra(extra)
     _refuse_unreduced_grads(ts.module)
     writer = _joined_writer(path, ts)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}  # encode() copies each of these
     prefix = f"fleetx/rank{ts.rank}/"
     record = {"strategies": encode(_strategy_dicts(ts), prefix + "strategy", tensors),
               "grads": encode(_local_grads(ts.module), prefix + "grad", tensors),
@@ -140,27 +201,78 @@ def save(path: str, ts: TrainingState, extra: Optional[Mapping] = None) -> Manif
     optimizer = _torch_optimizer(ts.optimizer)
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(ts.module, optimizer, options=_OPTIM)
-    record["replica"] = _replica(ts, state, prefix + "replica", tensors)
+    if stager is not None:
+        state = stager.stage(state)
     state.update(tensors)
-    with _quiet_single_process(ts):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(writer.folder),
-                 no_dist=ts.world_size <= 1)
-    writer.write_json(_state_file(ts.rank), record)
-    if ts.rank == 0:
-        writer.write_json(META, {"format": FORMAT, "world_size": ts.world_size,
-                                 "strategies": list(ts.strategies), "extra": extra,
-                                 "steps": ts.steps})
-    _barrier(ts)  # every file is written before anyone hashes the folder
-    entries = _gather(ts, _hash_share(writer.folder, ts.rank, ts.world_size))
-    manifest, error = None, None
-    if ts.rank == 0:
-        writer.add(FileEntry(*e) for part in entries for e in part)
+    meta = {"format": FORMAT, "world_size": ts.world_size, "strategies": list(ts.strategies),
+            "extra": extra, "steps": ts.steps} if ts.rank == 0 else None
+    return StagedSave(writer, state, record, meta, ts.rank, ts.world_size, group)
+
+
+def write(staged: StagedSave) -> Manifest:
+    """Write, hash and commit a staged save (every rank calls; collectives on ``staged.group``
+    only, so it may run on a background thread beside training on the default group).
+
+    The manifest is committed by rank 0 after every rank's files are written and hashed: a
+    rank that fails or dies before that leaves the previous checkpoint in place.
+
+    Returns:
+        The committed manifest.
+
+    Raises:
+        CheckpointError: a file cannot be written or committed, on any rank (the same error on
+            every rank).
+    """
+    s = staged
+    prefix = f"fleetx/rank{s.rank}/"
+    record = dict(s.record, replica=_replica(s, s.state, prefix + "replica"))
+    error = _attempt(lambda: _write_files(s, record))
+    _raise_any(s, error)  # every file is written before anyone hashes the folder
+    share, error = [], None
+    try:
+        share = _hash_share(s.writer.folder, s.rank, s.world_size)
+    except OSError as e:
+        error = (f"cannot hash the files of {s.writer.folder}: {e}", s.writer.folder)
+    entries = _gather(s, (share, error))
+    manifest, error = None, next((e for _, e in entries if e is not None), None)
+    if s.rank == 0 and error is None:
+        s.writer.add(FileEntry(*e) for part, _ in entries for e in part)
         try:
-            manifest = writer.commit()
+            manifest = s.writer.commit()
         except CheckpointError as e:
             error = (str(e), e.path)
-    _raise_any(ts, error)
-    return manifest if manifest is not None else Checkpoint(path).manifest
+        if manifest is not None and s.on_commit is not None:
+            try:
+                s.on_commit()
+            except Exception as e:  # noqa: BLE001 - committed: a failed clean-up costs space
+                log.warning("checkpoint %s: after the commit: %s", s.writer.dirname, e)
+    _raise_any(s, error)
+    return manifest if manifest is not None else Checkpoint(s.writer.dirname).manifest
+
+
+def _write_files(s: StagedSave, record: dict) -> None:
+    with _quiet_single_process(s):
+        dcp.save(s.state, storage_writer=dcp.FileSystemWriter(s.writer.folder),
+                 process_group=s.group, no_dist=s.world_size <= 1)
+    s.writer.write_json(_state_file(s.rank), record)
+    if s.meta is not None:
+        s.writer.write_json(META, s.meta)
+
+
+def _attempt(fn: Callable[[], None]) -> Optional[tuple]:
+    """Run ``fn``; a failure is returned as ``(message, path)`` for :func:`_raise_any`, so
+    that every rank learns of it instead of waiting for the failed one."""
+    try:
+        fn()
+    except CheckpointError as e:
+        return str(e), e.path
+    except CheckpointException as e:  # a BaseException, the same on every rank
+        causes = "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).strip()}"
+                           for rank, (exc, _) in sorted(e.failures.items()))
+        return f"torch.distributed.checkpoint could not write the files ({causes})", None
+    except (OSError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}", None
+    return None
 
 
 def load(path: str, ts: TrainingState) -> dict:
@@ -245,24 +357,28 @@ def _strategy_dicts(ts: TrainingState) -> dict:
             for name, value in (ts.strategy_state or {}).items()}
 
 
-def _replica(ts: TrainingState, state: dict, key: str, tensors: dict) -> Any:
+def _replica(s: StagedSave, state: dict, key: str) -> Any:
     """This rank's copy of the replicated tensors whose copies differ between ranks, or None.
 
     DCP writes a tensor that several ranks hold once, as if they all held the same. They do
     under data parallel, but not under Local SGD between averages, nor its momenta ever: then
     every rank also saves its own copy of those, to load back at the same world size (rank
     0's at another). A tensor only one rank holds (its share of a ZeRO partition) is not
-    replicated, and a DTensor (FSDP2) is written shard by shard."""
-    plain = {f"{section}.{k}": v for section, part in state.items() for k, v in part.items()
+    replicated, and a DTensor (FSDP2) is written shard by shard. The copies are added to
+    ``state`` under ``key``."""
+    if s.world_size <= 1:  # one copy of everything: nothing can differ
+        return None
+    plain = {f"{section}.{k}": v for section, part in state.items()
+             if isinstance(part, Mapping) for k, v in part.items()
              if isinstance(v, torch.Tensor) and not hasattr(v, "to_local")}
     digests = {name: hashlib.sha256(t.detach().cpu().reshape(-1).view(torch.uint8).numpy())
                .hexdigest() for name, t in plain.items()}
     seen: dict[str, set] = {}
-    for part in _gather(ts, digests):
+    for part in _gather(s, digests):
         for name, digest in part.items():
             seen.setdefault(name, set()).add(digest)
     differ = {name: t for name, t in plain.items() if len(seen[name]) > 1}
-    return encode(differ, key, tensors) if differ else None
+    return encode(differ, key, state) if differ else None
 
 
 def _put_replica(state: dict, copies: Mapping) -> None:
@@ -469,7 +585,7 @@ def _torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
 
 
 @contextlib.contextmanager
-def _quiet_single_process(ts: TrainingState) -> Iterator[None]:
+def _quiet_single_process(ts: Any) -> Iterator[None]:
     # DCP warns that it assumes a single process when no process group exists: that is the
     # intent of a one-process job, not news to its user.
     with warnings.catch_warnings():
@@ -478,22 +594,19 @@ def _quiet_single_process(ts: TrainingState) -> Iterator[None]:
         yield
 
 
-def _barrier(ts: TrainingState) -> None:
-    if ts.world_size > 1:
-        dist.barrier()
-
-
-def _gather(ts: TrainingState, value: Any) -> list:
-    if ts.world_size <= 1:
+def _gather(peers: Any, value: Any) -> list:
+    """Every rank's ``value`` (``peers``: a TrainingState or StagedSave; its ``group`` if it
+    has one, else the default group)."""
+    if peers.world_size <= 1:
         return [value]
-    out: list = [None] * ts.world_size
-    dist.all_gather_object(out, value)
+    out: list = [None] * peers.world_size
+    dist.all_gather_object(out, value, group=getattr(peers, "group", None))
     return out
 
 
-def _raise_any(ts: TrainingState, error: Optional[tuple]) -> None:
+def _raise_any(peers: Any, error: Optional[tuple]) -> None:
     """Raise on every rank the first failing rank's ``(message, path)``, so that no rank goes
     on (and waits) past a failure on another."""
-    errors = [e for e in _gather(ts, error) if e is not None]
+    errors = [e for e in _gather(peers, error) if e is not None]
     if errors:
         raise CheckpointError(*errors[0])

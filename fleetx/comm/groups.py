@@ -235,6 +235,21 @@ class ProcessGroups:
             entry.enter(store, self.rank, self.world_size, what, entries,
                         self.timeout if timeout is None else timeout, interval)
 
+    def side_group(self, name: str) -> object:
+        """A gloo group of every rank for ``name``'s traffic alone, created at the first call
+        (every rank makes that call, in the same order as its other groups). Work on another
+        thread beside training (an asynchronous checkpoint's commit) must not share a group
+        with the training loop's collectives, whose order it would break.
+
+        Example::
+
+            group = comm.side_group("checkpoint")
+        """
+        groups = self.__dict__.setdefault("_side_groups", {})
+        if name not in groups:
+            groups[name] = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        return groups[name]
+
     def check(self, op: str, group: object, tensors: Sequence[torch.Tensor]) -> None:
         """With ``FLEETX_DEBUG_COLLECTIVES=1``, raise unless every rank of ``group`` is about
         to make the same call (see :mod:`fleetx.comm.debug`); otherwise nothing.
@@ -296,6 +311,9 @@ class ProcessGroups:
         if getattr(self, "watch", None) is not None:
             self.watch.stop()  # before the store it reports to goes
             self.watch = None
+        for side in self.__dict__.pop("_side_groups", {}).values():
+            if dist.is_initialized():
+                dist.destroy_process_group(side)
         if getattr(self, "_owned", False) and dist.is_initialized():
             dist.destroy_process_group()
         elif self.host_group is not self.group and dist.is_initialized():

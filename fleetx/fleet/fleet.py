@@ -204,6 +204,12 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
 
     def _shutdown(self) -> None:
         """Leave the world: destroy the process groups and release the store (also at exit)."""
+        try:
+            self._wait_for_save()  # a pending save's thread commits through these groups
+        finally:
+            self._leave()
+
+    def _leave(self) -> None:
         self._clear_hybrid()  # its groups go with the world's
         if self._comm is not None:
             self._comm.close()
