@@ -153,6 +153,7 @@ class CheckpointCalls:
             self.load_checkpoint(path)
         self._auto, self._start_step = (os.fspath(path), every_steps), self._steps_taken
         optimizer.after_zero_grad.append(self._auto_save)
+        optimizer._ctx.restore_checkpoint = self._restore_auto  # the anomaly guard's rollback
         return self._start_step
 
     def start_step(self) -> int:
@@ -190,6 +191,14 @@ class CheckpointCalls:
         path, every = self._auto
         if self._steps_taken % every == 0 and self._steps_taken != self._saved_at:
             self.save_checkpoint(path)
+
+    def _restore_auto(self) -> Optional[int]:
+        """Load the last checkpoint of ``auto_checkpoint``'s folder; its step, or None when
+        none was saved yet (every rank calls)."""
+        if self._auto is None or not has_checkpoint(self._auto[0]):
+            return None
+        self.load_checkpoint(self._auto[0])
+        return self._steps_taken
 
     def _enter(self, what: str) -> None:
         """Wait at the entry of the collective call ``what`` until every rank comes; a rank
