@@ -43,6 +43,7 @@ class CheckpointCalls:
     _start_step = 0                  # _steps_taken after auto_checkpoint's restore
     _auto: Optional[tuple] = None    # (path, every_steps) of auto_checkpoint
     _progress: Optional[ProgressRecord] = None
+    _stragglers: Any = None          # the StragglerWatch of the current optimizer
 
     def save_checkpoint(self, path: str, extra: Optional[Mapping] = None) -> None:
         """Save the model, the optimizer and every applied strategy's state into folder
@@ -179,7 +180,32 @@ class CheckpointCalls:
                                                 ._worker_index())
             except OSError:  # only fleetrun's report of a restart would miss it
                 self._progress = None
+        self._watch_stragglers(optimizer, log_dir if collective else None)
         self._record()
+
+    def _watch_stragglers(self, optimizer: Any, log_dir: Optional[str]) -> None:
+        """Time ``optimizer``'s steps: name stragglers, keep the step times for fleetrun
+        (:mod:`fleetx.fleet.stragglers`)."""
+        from fleetx.fleet.stragglers import StragglerWatch
+        from fleetx.observe.steptimes import StepTimes
+
+        if self._stragglers is not None:
+            self._stragglers.close()
+        rm = self._rm("distributed_optimizer")
+        collective = bool(getattr(rm, "is_collective", False))
+        record = None
+        if log_dir:
+            try:
+                record = StepTimes(log_dir, rm._worker_index())
+            except OSError:  # only fleetrun's table would miss it
+                record = None
+        window = env.get_int("FLEETX_STRAGGLER_WINDOW")
+        if window < 0:
+            raise env.EnvError(f"FLEETX_STRAGGLER_WINDOW={window} must be 0 (off) or a number of "
+                               f"optimizer steps")
+        self._stragglers = StragglerWatch(
+            optimizer, rm._worker_index(), rm._worker_num() if collective else 1, window, record,
+            env.timeout())
 
     def _step_taken(self, *_: Any) -> None:
         self._steps_taken += 1
