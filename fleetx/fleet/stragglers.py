@@ -112,7 +112,7 @@ class StragglerWatch:
         medians = [float(t.item()) for t in gathered]
         first = self.steps - self.window
         for rank, ratio, base in stragglers(medians):
-            log.warning("fleetx: rank %d is a straggler: busy %.3g s per step, %.2gx the median "
+            log.warning("fleetx: rank %d is a straggler: busy %.3g s per step, %.2fx the median "
                         "of the others (%.3g s; window steps %d-%d)", rank, medians[rank], ratio,
                         base, first, self.steps)
 
