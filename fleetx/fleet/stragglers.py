@@ -80,7 +80,7 @@ class StragglerWatch:
                       if p.requires_grad), None)
         if first is not None and hasattr(first, "register_post_accumulate_grad_hook"):
             self._hook = first.register_post_accumulate_grad_hook(self._grad_done)
-        optimizer.register_step_post_hook(self._step_done)
+        self._step_hook = optimizer.register_step_post_hook(self._step_done)
 
     def _grad_done(self, _: torch.Tensor) -> None:
         self._grad_end = time.monotonic()
@@ -118,7 +118,7 @@ class StragglerWatch:
 
     def close(self) -> None:
         """Stop timing (a new optimizer starts a new watch)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        self.window = 0
+        for handle in (self._hook, self._step_hook):
+            if handle is not None:
+                handle.remove()
+        self._hook = self._step_hook = None
