@@ -205,7 +205,7 @@ class CheckpointCalls:
                                f"optimizer steps")
         self._stragglers = StragglerWatch(
             optimizer, rm._worker_index(), rm._worker_num() if collective else 1, window, record,
-            env.timeout())
+            env.timeout(), steps=lambda: self._steps_taken)
 
     def _step_taken(self, *_: Any) -> None:
         self._steps_taken += 1

@@ -23,7 +23,7 @@ import logging
 import statistics
 import time
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,12 +64,17 @@ class StragglerWatch:
         window: optimizer steps per exchange (0: never exchange; the record is still kept).
         record: a :class:`fleetx.observe.steptimes.StepTimes`, or None.
         timeout: seconds the exchange may wait for a rank.
+        steps: returns the job's count of optimizer steps (the fleet's, restored ones
+            included): the exchanges happen at its multiples of ``window``, so a process that
+            resumed or joined later exchanges at the same steps as the others. None: this
+            watch's own count.
     """
 
     def __init__(self, optimizer: Any, rank: int, world_size: int, window: int,
-                 record: Any = None, timeout: float = 300.0) -> None:  # noqa: D107
+                 record: Any = None, timeout: float = 300.0,
+                 steps: Optional[Callable[[], int]] = None) -> None:  # noqa: D107
         self.rank, self.world_size, self.window = rank, world_size, window
-        self.record, self.timeout = record, timeout
+        self.record, self.timeout, self._job_steps = record, timeout, steps
         self.busy: list[float] = []
         self.steps = 0
         self._group: Any = None
@@ -96,12 +101,13 @@ class StragglerWatch:
         if self.window <= 0 or self.world_size < 2:
             return
         self.busy.append(busy)
-        if len(self.busy) >= self.window:
-            self._exchange()
+        step = self._job_steps() if self._job_steps is not None else self.steps
+        if step % self.window == 0:
+            self._exchange(step)
             # the exchange's own time is not the next step's work
             self._last_end = time.monotonic()
 
-    def _exchange(self) -> None:
+    def _exchange(self, step: int) -> None:
         mine, self.busy = statistics.median(self.busy), []
         if self._group is None:
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
@@ -110,11 +116,11 @@ class StragglerWatch:
         if self.rank != 0:
             return
         medians = [float(t.item()) for t in gathered]
-        first = self.steps - self.window
+        first = step - self.window
         for rank, ratio, base in stragglers(medians):
             log.warning("fleetx: rank %d is a straggler: busy %.3g s per step, %.2fx the median "
                         "of the others (%.3g s; window steps %d-%d)", rank, medians[rank], ratio,
-                        base, first, self.steps)
+                        base, first, step)
 
     def close(self) -> None:
         """Stop timing (a new optimizer starts a new watch)."""

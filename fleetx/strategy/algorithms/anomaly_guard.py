@@ -232,6 +232,9 @@ class _Guard:
 
     def __init__(self, ctx: TrainingContext, cfg: AnomalyGuardConfig) -> None:
         self.ctx, self.cfg = ctx, cfg
+        # read once: the step path then pays no config lookups
+        self.rollback, self.max_consecutive = cfg.rollback, cfg.max_consecutive
+        self.snapshot_every, self.check_gradients = cfg.snapshot_every, cfg.check_gradients
         self.state = GuardState(cfg.window)
         self.pending: list[tuple[int, torch.Tensor]] = []  # (batch, loss) since the last step
         self.snapshot: Optional[tuple[int, dict]] = None    # (accepted steps, CPU copy)
@@ -244,12 +247,12 @@ class _Guard:
         self.state.batches += 1
 
     def guard(self) -> bool:
-        if self.cfg.rollback == "disk" and self.ctx.restore_checkpoint is None:
+        if self.rollback == "disk" and self.ctx.restore_checkpoint is None:
             raise StrategyError(
                 "anomaly_guard_configs['rollback'] = 'disk' rolls back to the checkpoint of "
                 "fleet.auto_checkpoint(path, every_steps): call it before training, or choose "
                 "rollback 'memory' or 'none'")
-        if self.cfg.rollback == "memory" and self.snapshot is None:
+        if self.rollback == "memory" and self.snapshot is None:
             self.snapshot = (self.state.accepted, self._copy())
         reports = self._gather(self._report())
         finding, loss = judge(reports, self.state.history, self.cfg)
@@ -277,7 +280,7 @@ class _Guard:
                 bad_batch = pending[int((~finite).nonzero()[0])][0]
         # Under amp the gradients still carry the loss scale here: an overflow is the scaler's
         # to judge (it skips the step and shrinks the scale).
-        check = self.cfg.check_gradients and "amp" not in self.ctx.state
+        check = self.check_gradients and "amp" not in self.ctx.state
         return RankReport(loss, bad_batch, check and not self._gradients_finite())
 
     def _gradients_finite(self) -> bool:
@@ -308,12 +311,12 @@ class _Guard:
         if finding.batch is not None:
             where.append(f"batch {finding.batch}")
         then = ""
-        if s.consecutive >= self.cfg.max_consecutive and self.cfg.rollback != "none":
+        if s.consecutive >= self.max_consecutive and self.rollback != "none":
             self.rollback_due = True
             then = "; rolling back"
         log.warning("fleetx: anomaly guard skipped step %d (%s): %s; %d step(s) skipped so far, "
                     "%d in a row (rollback after %d)%s", step, ", ".join(where), finding.what,
-                    s.skipped, s.consecutive, self.cfg.max_consecutive, then)
+                    s.skipped, s.consecutive, self.max_consecutive, then)
 
     def after_step(self) -> None:
         # After gradient merge's phase advanced (it runs first): a snapshot or a rollback here
@@ -321,15 +324,15 @@ class _Guard:
         if self.rollback_due:
             self.rollback_due = False
             self._roll_back()
-        elif (self.accepted_now and self.cfg.rollback == "memory"
-              and self.state.accepted % self.cfg.snapshot_every == 0):
+        elif (self.accepted_now and self.rollback == "memory"
+              and self.state.accepted % self.snapshot_every == 0):
             self.snapshot = (self.state.accepted, self._copy())
         self.accepted_now = False
 
     def _roll_back(self) -> None:
         s = self.state
         run = s.consecutive
-        if self.cfg.rollback == "memory":
+        if self.rollback == "memory":
             at, copied = self.snapshot
             self._restore(_cpu_copy(copied))  # a fresh copy: the optimizer keeps what it loads
             to = f"the in-memory snapshot taken after {at} accepted step(s)"
