@@ -98,7 +98,8 @@ def _worker(rank: int, world: int, out: str) -> None:
     bad[3] = nan_on(*bad[3], rank=1)
     bad[6] = spike_on(*bad[6], rank=0)
     res["skip"] = _train(_fleet(True), rank, bad)
-    res["skip_ref"] = _train(_fleet(False), rank, [d for i, d in enumerate(data) if i not in (3, 6)])
+    res["skip_ref"] = _train(_fleet(False), rank,
+                             [d for i, d in enumerate(data) if i not in (3, 6)])
     res["skip_lines"], lines.lines = lines.lines, []
     # 2. three in a row roll back (memory, then disk) to the state after 4 updates
     bad = list(data)

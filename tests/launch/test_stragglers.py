@@ -1,6 +1,7 @@
 """Stragglers named, for real, under fleetrun (3 ranks, one job): a rank that sleeps 60 ms more
 than the others every step for 40 steps, then another frozen again and again by the test
-(SIGSTOP for 0.1 s, SIGCONT for 0.02 s) for the last 40. Rank 0's log names each with a ratio of at least 1.5, never the fast rank;
+(SIGSTOP for 0.1 s, SIGCONT for 0.02 s) for the last 40. Rank 0's log names each with a ratio
+of at least 1.5, never the fast rank;
 the end-of-job table has a step-time row per rank."""
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from test_fleetrun import fleetrun_cmd  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "straggler_train.py"
 NAMED = re.compile(r"fleetx: rank (\d) is a straggler: busy ([0-9.e-]+) s per step, "
-                   r"([0-9.]+)x the median of the others \(([0-9.e-]+) s; window steps (\d+)-(\d+)\)")
+                   r"([0-9.]+)x the median of the others \(([0-9.e-]+) s; "
+                   r"window steps (\d+)-(\d+)\)")
 
 
 def _freeze_until_done(log_dir: Path, job: subprocess.Popen, deadline: float) -> int:
