@@ -204,6 +204,10 @@ _VARS = [
        "is an error on every rank naming the rank and both calls, a rank that does not come is "
        "named after FLEETX_TIMEOUT; one store write and read per collective", "user", "comm",
        "TORCH_DISTRIBUTED_DEBUG=DETAIL (not for DDP over gloo in torch 2.13)", default="0"),
+    _v("FLEETX_STRAGGLER_WINDOW", "optimizer steps between the ranks' exchanges of their median "
+       "busy step time (one all-gather of a number on a gloo group); rank 0 names a rank at 1.5x "
+       "the median of the others in the log; 0 turns the exchange off", "user", "fleet", "none",
+       kind=int, default=20),
     _v("FLEETX_LOG_INTERVAL", "seconds between the progress lines of parameter-server workers "
        "(samples/s, loss) and servers (rows, memory, requests/s), and of dataset loads (lines/s); "
        "0 turns them off", "user", "ps runtime, data", "none", kind=float, default=10.0),

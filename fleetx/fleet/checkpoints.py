@@ -58,6 +58,7 @@ class CheckpointCalls:
     _pending: Optional[SaveHandle] = None   # the last asynchronous save, until waited for
     _staging: Any = None             # DCP's stager: its CPU buffers are reused by each save
     _exit_hook = False
+    _stragglers: Any = None          # the StragglerWatch of the current optimizer
 
     def save_checkpoint(self, path: str, extra: Optional[Mapping] = None,
                         async_save: bool = False,
@@ -234,6 +235,7 @@ class CheckpointCalls:
         self._auto = (os.fspath(path), every_steps, async_save, keep_last)
         self._start_step = self._steps_taken
         optimizer.after_zero_grad.append(self._auto_save)
+        optimizer._ctx.restore_checkpoint = self._restore_auto  # the anomaly guard's rollback
         return self._start_step
 
     def start_step(self) -> int:
@@ -260,7 +262,32 @@ class CheckpointCalls:
                                                 ._worker_index())
             except OSError:  # only fleetrun's report of a restart would miss it
                 self._progress = None
+        self._watch_stragglers(optimizer, log_dir if collective else None)
         self._record()
+
+    def _watch_stragglers(self, optimizer: Any, log_dir: Optional[str]) -> None:
+        """Time ``optimizer``'s steps: name stragglers, keep the step times for fleetrun
+        (:mod:`fleetx.fleet.stragglers`)."""
+        from fleetx.fleet.stragglers import StragglerWatch
+        from fleetx.observe.steptimes import StepTimes
+
+        if self._stragglers is not None:
+            self._stragglers.close()
+        rm = self._rm("distributed_optimizer")
+        collective = bool(getattr(rm, "is_collective", False))
+        record = None
+        if log_dir:
+            try:
+                record = StepTimes(log_dir, rm._worker_index())
+            except OSError:  # only fleetrun's table would miss it
+                record = None
+        window = env.get_int("FLEETX_STRAGGLER_WINDOW")
+        if window < 0:
+            raise env.EnvError(f"FLEETX_STRAGGLER_WINDOW={window} must be 0 (off) or a number of "
+                               f"optimizer steps")
+        self._stragglers = StragglerWatch(
+            optimizer, rm._worker_index(), rm._worker_num() if collective else 1, window, record,
+            env.timeout(), steps=lambda: self._steps_taken)
 
     def _step_taken(self, *_: Any) -> None:
         self._steps_taken += 1
@@ -314,6 +341,14 @@ class CheckpointCalls:
         run collectives on the group the training loop uses."""
         comm = self._communicator()
         return comm.side_group("checkpoint") if comm is not None else None
+
+    def _restore_auto(self) -> Optional[int]:
+        """Load the last checkpoint of ``auto_checkpoint``'s folder; its step, or None when
+        none was saved yet (every rank calls)."""
+        if self._auto is None or not rotation.has_checkpoint(self._auto[0]):
+            return None
+        self.load_checkpoint(self._auto[0])
+        return self._steps_taken
 
     def _enter(self, what: str) -> None:
         """Wait at the entry of the collective call ``what`` until every rank comes; a rank

@@ -33,10 +33,11 @@ EARLIER_DIR = "earlier"
 #: How many earlier jobs' folders are kept; older ones are removed (with a notice).
 KEEP_EARLIER = 5
 # Every file a job writes in the log folder (fault.N.json: fleetx.comm's blame reports;
-# throughput.N, scalars.N.csv: fleet.observe's samples/s for the end-of-job summary and its
+# steptimes.N: the step-time histograms of the summary's p50/p99; throughput.N, scalars.N.csv:
+# fleet.observe's samples/s for the end-of-job summary and its
 # scalars when no scalars_dir was given).
 _JOB_FILE = re.compile(r"^(workerlog\.\d+|serverlog\.\d+|heterlog\.\d+|endpoints\.log|"
-                       r"fault\.\d+\.json|progress\.\d+|throughput\.\d+|scalars\.\d+\.csv)$")
+                       r"fault\.\d+\.json|progress\.\d+|steptimes\.\d+|throughput\.\d+|scalars\.\d+\.csv)$")
 
 
 def prepare_dir(log_dir: str) -> None:

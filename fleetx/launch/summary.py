@@ -7,7 +7,10 @@ kernel's high-water mark of the resident set, so a peak between two polls still 
 at every poll while the process runs (Linux; ``-`` elsewhere, or for a process that ended
 before its first poll). Throughput is the samples/s a worker reported through
 ``fleet.observe`` (``<log_dir>/throughput.<index>``, :mod:`fleetx.observe.api`); ``-`` when it
-reported none.
+reported none. Step p50 / p99 are the wall time of a worker's optimizer steps and busy p50
+the part of it before the rank waited for the others' gradients (``<log_dir>/steptimes.<index>``,
+:mod:`fleetx.observe.steptimes`; a rank far above the others in busy p50 held them back);
+``-`` for a process that took no step through a fleet optimizer.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Optional
 
 from fleetx.observe.api import read_throughput
+from fleetx.observe.steptimes import read_step_times
 
 __all__ = ["ProcessWatch", "SummaryRow", "peak_rss_kb", "exit_words", "format_table"]
 
@@ -58,6 +62,7 @@ class SummaryRow:
     wall_s: float = 0.0
     peak_rss_kb: Optional[int] = None
     samples_per_s: Optional[float] = None
+    step_times: Optional[tuple[float, float, float]] = None  # wall p50, wall p99, busy p50
 
 
 class ProcessWatch:
@@ -109,6 +114,7 @@ class ProcessWatch:
             for row in out:
                 if row.role in ("trainer", "worker"):
                     row.samples_per_s = read_throughput(log_dir, row.rank)
+                    row.step_times = read_step_times(log_dir, row.rank)
         return out
 
 
@@ -118,11 +124,19 @@ def _rss(kb: Optional[int]) -> str:
     return f"{kb / 1024:.1f} MiB" if kb < 1 << 20 else f"{kb / (1 << 20):.2f} GiB"
 
 
+def _steps(times: Optional[tuple[float, float, float]]) -> tuple[str, str, str]:
+    if times is None:
+        return ("-", "-", "-")
+    return tuple(f"{t * 1000:.3g} ms" if t < 1 else f"{t:.3g} s" for t in times)  # type: ignore
+
+
 def format_table(rows: list[SummaryRow]) -> str:
     """The table as text, a title line first."""
-    head = ("role", "rank", "exit status", "wall time", "peak RSS", "samples/s")
+    head = ("role", "rank", "exit status", "wall time", "peak RSS", "samples/s", "step p50",
+            "step p99", "busy p50")
     body = [(r.role, str(r.rank), exit_words(r.exit_code), f"{r.wall_s:.1f} s", _rss(r.peak_rss_kb),
-             "-" if r.samples_per_s is None else f"{r.samples_per_s:.1f}") for r in rows]
+             "-" if r.samples_per_s is None else f"{r.samples_per_s:.1f}", *_steps(r.step_times))
+            for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join(["fleetrun: job summary", line(head), *map(line, body)])

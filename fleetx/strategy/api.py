@@ -115,6 +115,9 @@ class TrainingContext:
       force and rebuilds the training context from it (``report`` is shown by explain).
     * ``planner``: set by the engine: ``fn(plan_input) -> Plan``, the planner that made this
       context's plan (``auto`` plans its candidates with it, as ``PlanInput.planner``).
+    * ``restore_checkpoint``: set by ``fleet.auto_checkpoint``: ``fn() -> int | None`` loads
+      the job's last checkpoint of its folder (every rank calls: a collective) and returns its
+      step, None when none was saved yet (the anomaly guard rolls back with it).
     """
 
     def __init__(self, world: WorldInfo, strategy: Any, optimizer: Any = None,
@@ -145,6 +148,7 @@ class TrainingContext:
         self.trial: Optional[Callable[[Any, tuple, dict], Any]] = None
         self.replan: Optional[Callable[[Any, Any], None]] = None
         self.planner: Optional[Callable[[PlanInput], Plan]] = None
+        self.restore_checkpoint: Optional[Callable[[], Optional[int]]] = None
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:

@@ -229,3 +229,8 @@ def resolve_name(name: str) -> str:
         warn_old_name(f"strategy.{name} is an old name; use strategy.{ALIASES[name]}")
         return ALIASES[name]
     raise TypeError(unknown_name("DistributedStrategy attribute", name, _names))
+
+
+# Strategies outside Paddle's list declare their fields from their own module (declare): imported
+# here, once everything above exists, so every DistributedStrategy has them.
+from fleetx.strategy.algorithms import anomaly_guard  # noqa: E402,F401

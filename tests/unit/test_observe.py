@@ -124,14 +124,28 @@ def test_fleetx_imports_without_the_observe_libraries():
 def test_summary_words_and_table():
     assert [summary.exit_words(c) for c in (0, 3, -9, None)] == [
         "ok", "failed (exit 3)", "killed (SIGKILL)", "stopped"]
-    rows = [summary.SummaryRow("worker", 0, 0, 2.0, 2048, 12.5),
+    rows = [summary.SummaryRow("worker", 0, 0, 2.0, 2048, 12.5, (0.0123, 0.0456, 1.5)),
             summary.SummaryRow("server", 1, -15, 3.25, None, None)]
     lines = summary.format_table(rows).splitlines()
     assert lines[0] == "fleetrun: job summary"
     assert lines[1].split() == ["role", "rank", "exit", "status", "wall", "time", "peak", "RSS",
-                                "samples/s"]
-    assert lines[2].split() == ["worker", "0", "ok", "2.0", "s", "2.0", "MiB", "12.5"]
-    assert lines[3].split() == ["server", "1", "killed", "(SIGTERM)", "3.2", "s", "-", "-"]
+                                "samples/s", "step", "p50", "step", "p99", "busy", "p50"]
+    assert lines[2].split() == ["worker", "0", "ok", "2.0", "s", "2.0", "MiB", "12.5", "12.3",
+                                "ms", "45.6", "ms", "1.5", "s"]
+    assert lines[3].split() == ["server", "1", "killed", "(SIGTERM)", "3.2", "s", "-", "-", "-",
+                                "-", "-"]
+
+
+def test_step_time_percentiles_come_back_from_the_histogram(tmp_path):
+    from fleetx.observe.steptimes import StepTimes, read_step_times
+    assert read_step_times(str(tmp_path), 3) is None
+    record = StepTimes(str(tmp_path), 3)
+    for i in range(1000):
+        record.add(0.010 if i < 985 else 2.0, 0.004)
+    p50, p99, busy = read_step_times(str(tmp_path), 3)
+    # each bucket is 2 ** (1/16) wide: a value comes back within about 2.2 %
+    assert abs(p50 / 0.010 - 1) < 0.025 and abs(p99 / 2.0 - 1) < 0.025
+    assert abs(busy / 0.004 - 1) < 0.025
 
 
 def test_watch_reads_the_peak_rss_of_a_live_process(tmp_path):

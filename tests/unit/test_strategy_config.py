@@ -14,7 +14,7 @@ from fleetx.strategy.distributed_strategy import MESSAGES, TopLevelConfig
 STRATEGY_MODULES = [f"algorithms.{name}" for name in (
     "amp", "recompute", "localsgd", "adaptive_localsgd", "gradient_merge", "dgc", "pipeline",
     "a_sync", "lars", "lamb", "sharding", "hybrid", "tensor_parallel", "trainer_desc",
-    "gradient_scale")] + ["build"]
+    "gradient_scale", "anomaly_guard")] + ["build"]
 
 
 @dataclass

@@ -23,6 +23,7 @@ DEFAULTS = {
     "last_comm_group_size_MB": 1.0, "find_unused_parameters": False, "tensor_parallel": False,
     "without_graph_optimization": False, "fuse_grad_size_in_num": 8,
     "calc_comm_same_stream": False, "asp": False, "fuse_grad_merge": False, "semi_auto": False,
+    "anomaly_guard": False,
     "recompute_configs": {"checkpoints": [], "enable_offload": False, "checkpoint_shape": []},
     "amp_configs": {
         "init_loss_scaling": 32768.0, "incr_every_n_steps": 1000, "decr_every_n_nan_or_inf": 2,
@@ -67,6 +68,10 @@ DEFAULTS = {
     "execution_strategy": {"num_threads": 1, "num_iteration_per_drop_scope": 10,
                            "num_iteration_per_run": 1, "use_thread_barrier": False},
     "gradient_scale_configs": {"scale_strategy": "avg"},
+    # fleetx's own (docs/differences.md): declared by its strategy module, after Paddle's
+    "anomaly_guard_configs": {"spike_factor": 10.0, "window": 50, "min_history": 5,
+                              "check_gradients": True, "max_consecutive": 3,
+                              "rollback": "memory", "snapshot_every": 50},
 }
 
 
@@ -269,7 +274,8 @@ def test_typed_config_returns_a_copy():
         s.typed_config("ampp")
     assert str(e.value) == (
         "unknown strategy config 'ampp' (did you mean 'amp'?); known: a_sync, "
-        "adaptive_localsgd, amp, dgc, gradient_merge, gradient_scale, hybrid, lamb, lars, "
+        "adaptive_localsgd, amp, anomaly_guard, dgc, gradient_merge, gradient_scale, hybrid, "
+        "lamb, lars, "
         "localsgd, pipeline, recompute, sharding, tensor_parallel, trainer_desc")
 
 

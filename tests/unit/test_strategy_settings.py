@@ -50,6 +50,8 @@ SCENARIOS = [
      WorldInfo(world_size=4, local_world_size=2, device="cuda"), "sgd", False),
     # auto measures in the fleet at the first training forward: applied only here.
     (dict(auto=True), WorldInfo(world_size=2), "sgd", False),
+    (dict(anomaly_guard=True, anomaly_guard_configs={"min_history": 1}), WorldInfo(), "sgd",
+     True),
     (dict(a_sync=True, a_sync_configs={"k_steps": 0}), WorldInfo(mode=Mode.PS), "sgd", True),
     # With servers the mode reaches the cluster config (nothing connects before init_worker).
     (dict(a_sync=False), WorldInfo(mode=Mode.PS, server_num=1,
