@@ -204,6 +204,16 @@ _VARS = [
        "is an error on every rank naming the rank and both calls, a rank that does not come is "
        "named after FLEETX_TIMEOUT; one store write and read per collective", "user", "comm",
        "TORCH_DISTRIBUTED_DEBUG=DETAIL (not for DDP over gloo in torch 2.13)", default="0"),
+    _v("FLEETX_FAULT_TOLERANCE", "heal: the process runs under fleetrun --fault_tolerance heal "
+       "(a dead data-parallel rank is restarted alone and the others go on); restart or unset: "
+       "a failure restarts the whole worker group", "fleetrun", "fleet (comm.heal)", "none",
+       default="restart"),
+    _v("FLEETX_HEAL_RESTARTS", "under --fault_tolerance heal: how many times fleetrun restarted "
+       "this rank alone before this process (0: one of the first processes; more: it joins the "
+       "live ranks)", "fleetrun", "fleet (comm.heal)", "none", kind=int, default=0),
+    _v("FLEETX_HEAL_TIMEOUT", "under --fault_tolerance heal: seconds a rank may send no "
+       "heartbeat before fleetrun declares it frozen and kills it (it is then healed as a dead "
+       "one)", "user", "fleetrun, fleet (comm.heal)", "none", kind=float, default=10.0),
     _v("FLEETX_LOG_INTERVAL", "seconds between the progress lines of parameter-server workers "
        "(samples/s, loss) and servers (rows, memory, requests/s), and of dataset loads (lines/s); "
        "0 turns them off", "user", "ps runtime, data", "none", kind=float, default=10.0),

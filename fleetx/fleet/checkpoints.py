@@ -149,7 +149,8 @@ class CheckpointCalls:
         if self._auto is not None:
             raise FleetError(f"fleet.auto_checkpoint() was already called (path "
                              f"{self._auto[0]!r}); call it once per job")
-        if has_checkpoint(path):
+        # A process healed into a running job received the live state: a checkpoint is older.
+        if has_checkpoint(path) and not getattr(self, "_healed_in", False):
             self.load_checkpoint(path)
         self._auto, self._start_step = (os.fspath(path), every_steps), self._steps_taken
         optimizer.after_zero_grad.append(self._auto_save)
