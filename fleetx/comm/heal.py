@@ -164,7 +164,9 @@ class Healer:
             g, record = newer
         else:
             live = [m for m in self.members if m not in dead]
-            g, record = self.gen + 1, self._propose(live, [], reason)
+            why = (f"rank(s) {sorted(s for s, _ in dead)} died" if dead else
+                   f"no member died within {self.timeout:g} s: the same ranks again")
+            g, record = self.gen + 1, self._propose(live, [], why)
         gone = sorted(s for s, _ in set(self.members) - {tuple(m) for m in record["members"]})
         started = time.monotonic()
         self._adopt(g, record)
@@ -226,7 +228,7 @@ class Healer:
         try:
             work.wait()
         except RuntimeError as exc:
-            raise _Broken(str(exc).splitlines()[0][:200]) from None
+            raise _Broken(str(exc).splitlines()[0].split("] ")[-1][:120]) from None
 
     def all_reduce(self, build: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Sum the float buffer ``build()`` returns over the live ranks; returns (sum, ranks).
