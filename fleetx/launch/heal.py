@@ -51,6 +51,7 @@ class _HealJob:
         self.restarts = dict.fromkeys(range(self.world), 0)
         self.lost: set[int] = set()
         self.finished: set[int] = set()
+        self.rejoined: set[int] = set()
         self.attempt = 0
         self.mode = "heal"
         self.watch = summary.ProcessWatch()
@@ -80,6 +81,7 @@ class _HealJob:
                    "MASTER_PORT": str(self.port), "FLEETX_FAULT_TOLERANCE": "heal",
                    "TORCHELASTIC_RESTART_COUNT": str(self.restarts[slot] + self.attempt),
                    "FLEETX_HEAL_RESTARTS": str(self.restarts[slot])}, child)
+        self.rejoined.discard(slot)
         self.procs[slot] = subprocess.Popen(
             [sys.executable, "-u", "-m", "fleetx.launch.bootstrap", p.setup.to_json(), p.script,
              *p.script_args], env=child, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -113,6 +115,15 @@ class _HealJob:
                      f"killing it")
                 _kill(proc, signal.SIGKILL)
                 proc.wait()
+
+    def announce_rejoins(self) -> None:
+        """One line when a restarted rank was admitted by the live ranks."""
+        for slot in self.procs:
+            if self.restarts[slot] and slot not in self.rejoined and \
+                    not self.waiting_to_join(slot):
+                self.rejoined.add(slot)
+                _say(f"heal: rank {slot} (restart {self.restarts[slot]}, pid "
+                     f"{self.procs[slot].pid}) rejoined the live ranks")
 
     def waiting_to_join(self, slot: int) -> bool:
         if self.restarts[slot] == 0:
@@ -189,6 +200,7 @@ def _watch(job: _HealJob, stop_requested: list) -> int:
             return 128 + stop_requested[0]
         job.check_fallback()
         job.kill_frozen()
+        job.announce_rejoins()
         for slot, proc in list(job.procs.items()):
             code = proc.poll()
             job.watch.poll(("trainer", slot), proc.pid, code)
