@@ -28,7 +28,6 @@ args = parser.parse_args()
 strategy = DistributedStrategy()
 if args.strategy == "amp":
     strategy.amp = True
-    strategy.amp_configs = {"use_pure_fp16": False, "dtype": "bfloat16"}
 elif args.strategy == "gradient_merge":
     strategy.gradient_merge = True
     strategy.gradient_merge_configs = {"k_steps": 2, "avg": True}
