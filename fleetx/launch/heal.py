@@ -71,6 +71,7 @@ class _HealJob:
                                      timeout=timedelta(seconds=env.timeout()))
         self.store = dist.PrefixStore("heal", self._server)
         self.beats: dict[int, tuple[int, float]] = {}
+        self.started_at: dict[int, int] = {}
 
     def spawn(self, slot: int) -> None:
         p = self.plan
@@ -86,7 +87,10 @@ class _HealJob:
             [sys.executable, "-u", "-m", "fleetx.launch.bootstrap", p.setup.to_json(), p.script,
              *p.script_args], env=child, stdin=subprocess.DEVNULL, start_new_session=True)
         self.watch.started(("trainer", slot), self.procs[slot].pid)
+        # Beats of an earlier process of this slot are in the count: judge this one only once
+        # it beats itself (starting, it imports torch and may take longer than the timeout).
         self.beats.pop(slot, None)
+        self.started_at[slot] = int(self.store.add(f"beat/{slot}", 0))
 
     def log_of(self, slot: int) -> str:
         return logs.worker_log(self.plan.setup.log_dir, slot)
@@ -105,7 +109,7 @@ class _HealJob:
                 continue
             count = int(self.store.add(f"beat/{slot}", 0))
             seen = self.beats.get(slot)
-            if count == 0:
+            if count == self.started_at.get(slot, 0):
                 continue  # not beating yet: still starting
             if seen is None or seen[0] != count:
                 self.beats[slot] = (count, now)
