@@ -108,3 +108,17 @@ def test_strategies_and_a_frozen_rank_heal(tmp_path, monkeypatch, strategy, faul
     assert [r["step"] for r in records[0] if "step" in r] == list(range(40 * k))
     ends = [next(r["w"] for r in records[s] if r.get("event") == "end") for s in range(3)]
     assert ends[0] == ends[1] == ends[2]
+
+
+def test_heal_is_refused_where_fleetrun_cannot_host_it_naming_why():
+    from fleetx.launch.api import ConfigError
+    from fleetx.launch.config import LaunchConfig
+
+    with pytest.raises(ConfigError, match=r"--fault_tolerance: heal runs collective jobs on one "
+                                          r"node .* this job has several nodes: use "
+                                          r"--fault_tolerance restart"):
+        LaunchConfig(training_script="t.py", fault_tolerance="heal", ips=("10.0.0.1", "10.0.0.2"))
+    with pytest.raises(ConfigError, match=r"this job has parameter servers"):
+        LaunchConfig(training_script="t.py", fault_tolerance="heal", server_num=1, worker_num=2)
+    with pytest.raises(ConfigError, match=r"invalid choice 'heals' \(choose from restart, heal\)"):
+        LaunchConfig(training_script="t.py", fault_tolerance="heals")
