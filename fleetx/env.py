@@ -208,6 +208,16 @@ _VARS = [
        "busy step time (one all-gather of a number on a gloo group); rank 0 names a rank at 1.5x "
        "the median of the others in the log; 0 turns the exchange off", "user", "fleet", "none",
        kind=int, default=20),
+    _v("FLEETX_FAULT_TOLERANCE", "heal: the process runs under fleetrun --fault_tolerance heal "
+       "(a dead data-parallel rank is restarted alone and the others go on); restart or unset: "
+       "a failure restarts the whole worker group", "fleetrun", "fleet (comm.heal)", "none",
+       default="restart"),
+    _v("FLEETX_HEAL_RESTARTS", "under --fault_tolerance heal: how many times fleetrun restarted "
+       "this rank alone before this process (0: one of the first processes; more: it joins the "
+       "live ranks)", "fleetrun", "fleet (comm.heal)", "none", kind=int, default=0),
+    _v("FLEETX_HEAL_TIMEOUT", "under --fault_tolerance heal: seconds a rank may send no "
+       "heartbeat before fleetrun declares it frozen and kills it (it is then healed as a dead "
+       "one)", "user", "fleetrun, fleet (comm.heal)", "none", kind=float, default=10.0),
     _v("FLEETX_LOG_INTERVAL", "seconds between the progress lines of parameter-server workers "
        "(samples/s, loss) and servers (rows, memory, requests/s), and of dataset loads (lines/s); "
        "0 turns them off", "user", "ps runtime, data", "none", kind=float, default=10.0),

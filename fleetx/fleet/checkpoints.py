@@ -230,7 +230,8 @@ class CheckpointCalls:
         if self._auto is not None:
             raise FleetError(f"fleet.auto_checkpoint() was already called (path "
                              f"{self._auto[0]!r}); call it once per job")
-        if rotation.has_checkpoint(path):
+        # A process healed into a running job received the live state: a checkpoint is older.
+        if rotation.has_checkpoint(path) and not getattr(self, "_healed_in", False):
             self.load_checkpoint(path)
         self._auto = (os.fspath(path), every_steps, async_save, keep_last)
         self._start_step = self._steps_taken
@@ -285,6 +286,10 @@ class CheckpointCalls:
         if window < 0:
             raise env.EnvError(f"FLEETX_STRAGGLER_WINDOW={window} must be 0 (off) or a number of "
                                f"optimizer steps")
+        if env.get("FLEETX_FAULT_TOLERANCE") == "heal":
+            # its group spans the ranks of the start, which a heal replaces; the step times
+            # are still kept for fleetrun's table
+            window = 0
         self._stragglers = StragglerWatch(
             optimizer, rm._worker_index(), rm._worker_num() if collective else 1, window, record,
             env.timeout(), steps=lambda: self._steps_taken)

@@ -24,6 +24,7 @@ from fleetx.fleet.api import FleetError, RuntimeHandlerError  # RuntimeHandlerEr
 from fleetx.fleet.checkpoints import CheckpointCalls
 from fleetx.fleet.delegation import OptimizerCalls, RoleQueries, RuntimeCalls
 from fleetx.fleet.export import ExportCalls
+from fleetx.fleet.healing import HealCalls
 from fleetx.fleet.hybrid import HybridQueries
 from fleetx.fleet.loaders import LoaderCalls
 from fleetx.fleet.memory import MemoryQueries
@@ -53,7 +54,7 @@ def _shutdown_at_exit(fleet: "Fleet") -> None:
 
 
 class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, CheckpointCalls,
-            ExportCalls, HybridQueries, LoaderCalls):
+            ExportCalls, HybridQueries, LoaderCalls, HealCalls):
     """One process's view of a distributed job.
 
     Example:
@@ -183,6 +184,12 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
                              f"{'server' if rm._is_server() else 'heter worker'}")
         if rm._worker_num() <= 1:
             return None
+        if self._comm is None and env.get("FLEETX_FAULT_TOLERANCE") == "heal" and \
+                not self._dry_run():
+            if self._healer is None:  # fleetrun's store: the generations of the live ranks
+                self._start_healing(rm)
+                _shutdown_at_exit(self)
+            return self._comm
         if self._comm is None and self._dry_run():
             raise FleetError("dry run: the script communicates (fleet.util, barrier_worker or a "
                              "forward pass) before fleet.distributed_optimizer(...) printed the "
@@ -256,6 +263,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
             sys.exit(0)
         if world.mode is Mode.COLLECTIVE and world.world_size > 1:
             self._communicator()
+            self._heal_check(plan, self._strategy, world.world_size)
         ctx = apply_plan(plan, self._strategy, world, model, self._optimizer,
                          trial=functools.partial(self._trial, world, model),
                          replan=self._replan)
@@ -398,6 +406,7 @@ class Fleet(RoleQueries, OptimizerCalls, RuntimeCalls, MemoryQueries, Checkpoint
         self._dist_optimizer = DistributedOptimizer(
             ctx, modules=lambda: [m.module for m in self._models] + self._claimed)
         self._track_steps(self._dist_optimizer)
+        self._heal_attach(self._dist_optimizer)
         return self._dist_optimizer
 
     def observe(self, **options: Any) -> Any:

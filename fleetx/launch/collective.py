@@ -117,6 +117,10 @@ def run(p: CollectivePlan) -> int:
 
     from fleetx.launch import agent
 
+    if p.fault_tolerance == "heal":
+        from fleetx.launch import heal
+
+        return heal.run(p)
     logs.prepare_dir(p.setup.log_dir)
     if p.max_nodes == 1 or p.node_rank == 0:
         # Before the rendezvous: no process of the job, on any node, has started yet.

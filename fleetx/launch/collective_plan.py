@@ -53,6 +53,8 @@ class CollectivePlan:
         timeout: seconds the node-level rendezvous waits for the other nodes
             (``FLEETX_TIMEOUT``).
         shown: the global ranks whose output fleetrun copies to its stdout, or ``"all"``.
+        fault_tolerance: ``restart`` (the elastic agent restarts the group) or ``heal``
+            (``heal.py``: the dead rank alone).
     """
 
     nproc: int
@@ -68,6 +70,7 @@ class CollectivePlan:
     notes: tuple[str, ...] = ()
     timeout: float = _TIMEOUT
     shown: object = (0,)
+    fault_tolerance: str = "restart"
 
     @property
     def elastic(self) -> bool:
@@ -227,4 +230,4 @@ def plan(config: LaunchConfig, *, cuda_count: Optional[int] = None,
     return CollectivePlan(nproc, low, high, node_rank, master_addr, master_port,
                           config.max_restarts, setup, config.training_script,
                           tuple(config.training_script_args), tuple(notes + ifname_notes),
-                          float(timeout), config.shown_ranks())
+                          float(timeout), config.shown_ranks(), config.fault_tolerance)

@@ -21,6 +21,7 @@ from fleetx.launch.api import ConfigError, RunMode
 __all__ = ["LaunchConfig", "BACKENDS", "RUN_MODES", "PS_FIELDS", "K8S_FORMATS", "K8S_FIELDS"]
 
 BACKENDS = ("auto", "gloo", "nccl")
+FAULT_TOLERANCES = ("restart", "heal")
 RUN_MODES = tuple(m.value for m in RunMode)
 K8S_FORMATS = ("yaml", "json")
 #: Flags that only mean something with ``--k8s``.
@@ -224,6 +225,13 @@ class LaunchConfig:
         "that dies is restarted up to N times from its latest snapshot, workers reconnect; a "
         "worker that dies is restarted up to N times and rejoins)",
         0, parse=_int, check=_at_least(0), metavar="N")
+    fault_tolerance: str = _flag(
+        "what a failed process costs a collective job: restart (the worker group restarts, up "
+        "to --max_restarts times) or heal (one node, data parallel: the other ranks are not "
+        "restarted, they go on with the live ones; the dead rank is restarted alone, up to "
+        "--max_restarts times, and rejoins at a step boundary; docs/reliability.md)", "restart",
+        group="collective", check=_one_of(FAULT_TOLERANCES),
+        metavar="{" + ",".join(FAULT_TOLERANCES) + "}")
     ips: tuple[str, ...] = _flag(
         "addresses of every node, comma-separated, in node-rank order; each node finds itself "
         "in the list among its own addresses (or by --host)", ("127.0.0.1",),
@@ -349,6 +357,11 @@ class LaunchConfig:
         if low == high and self.nnodes is not None and low != len(self.ips) and not self.k8s:
             raise ConfigError("--nnodes", f"is {self.nnodes} but --ips lists {len(self.ips)} "
                               f"node(s) ({','.join(self.ips)}); give every node's address")
+        if self.fault_tolerance == "heal" and (high > 1 or self.resolved_mode() is RunMode.PS):
+            raise ConfigError("--fault_tolerance", "heal runs collective jobs on one node "
+                              "(fleetrun hosts the store and restarts the dead rank itself); "
+                              f"this job has {'several nodes' if high > 1 else 'parameter servers'}"
+                              f": use --fault_tolerance restart")
         if self.host and low == high > 1 and self.host not in self.ips:
             raise ConfigError("--host", f"{self.host} is not one of --ips ({','.join(self.ips)})")
 

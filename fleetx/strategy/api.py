@@ -189,6 +189,9 @@ class Strategy(abc.ABC):
       shards), so the fleet applies the plan as soon as the model is given to
       ``distributed_model``: an optimizer built from ``model.parameters()`` afterwards sees the
       changed parameters.
+    * ``heal_fallback``: why a job using it cannot heal in place under ``fleetrun
+      --fault_tolerance heal`` (state that only its rank holds dies with it, or collectives
+      outside the healing ones); the job then restarts its whole group on a failure, saying so.
     """
 
     name: ClassVar[str]
@@ -203,6 +206,7 @@ class Strategy(abc.ABC):
     implicit: ClassVar[bool] = False
     replaces_plan: ClassVar[bool] = False
     shapes_model: ClassVar[bool] = False
+    heal_fallback: ClassVar[str] = ""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

@@ -204,6 +204,8 @@ class AnomalyGuardStrategy(Strategy):
     runs_after = (DataParallelStrategy, GradientMergeStrategy, LocalSGDStrategy,
                   AdaptiveLocalSGDStrategy)
     runs_before = (AmpStrategy,)
+    heal_fallback = ("its verdict is an all-gather over every rank at each step, outside the "
+                     "healing all-reduce")
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:
         if plan_input.world.mode is not Mode.COLLECTIVE:

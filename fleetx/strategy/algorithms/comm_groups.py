@@ -37,6 +37,7 @@ class CommGroupsStrategy(Strategy):
     """
 
     name = "nccl_comm_num"
+    heal_fallback = ("its extra communicators are built once, over every rank")
     requires = (DataParallelStrategy,)
     # Every channel gets its own copy of the topology's groups (node and leader groups).
     runs_after = (HierarchicalAllReduceStrategy,)

@@ -22,6 +22,11 @@ traffic counters are kept in ``ctx.state["data_parallel"]`` (so they appear unde
 ``optimizer.state_dict()["fleetx"]``). Those that communicate over the whole world or build
 process groups of their own (local SGD, DGC, hierarchical all-reduce, ``nccl_comm_num``) are
 refused when the model is split (:func:`refuse_split_model`).
+
+Under ``fleetrun --fault_tolerance heal`` there is no DDP: the gradients are averaged at the
+optimizer step, on one flat buffer, through :mod:`fleetx.comm.heal`, whose all-reduce survives
+the death of a rank (the step is taken again with the survivors' gradients); the micro-steps
+that DDP's ``no_sync`` would leave local (gradient merge, local SGD) are left local there too.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from typing import Any, Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from fleetx.comm import hooks
+from fleetx.comm import heal, hooks
 from fleetx.strategy.api import (Mode, PlanInput, Strategy, StrategyError, TrainingContext,
                                  Verdict, register, train_only)
 from fleetx.parallel.hcg import get_hcg
@@ -81,6 +86,10 @@ class DataParallelStrategy(Strategy):
 
     def apply(self, ctx: TrainingContext) -> None:
         s = self.strategy
+        healer = heal.active()
+        if healer is not None:
+            ctx.step_guards.append(lambda: _average_gradients(ctx, healer))
+            return
         ctx.ddp_options.update(bucket_cap_mb=self._bucket_mb(s),
                                find_unused_parameters=bool(s.find_unused_parameters))
         ctx.model_wrappers.append(train_only(lambda module: _wrap_ddp(module, ctx)))
@@ -157,6 +166,20 @@ def _data_parallel_group(ctx: TrainingContext) -> Any:
                             "no hybrid communicate group exists: call "
                             "fleet.init(is_collective=True, strategy=...) first")
     return hcg.get_data_parallel_group()
+
+
+def _average_gradients(ctx: TrainingContext, healer: Any) -> bool:
+    """The healing job's gradient all-reduce, as the first step guard: on the steps DDP would
+    synchronise (``ctx.sync_gradients()``), every gradient becomes its mean over the live ranks;
+    a parameter without a gradient contributes zeros (every rank must send the same layout)."""
+    if ctx.sync_gradients():
+        params = [p for group in ctx.optimizer.param_groups for p in group["params"]
+                  if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        healer.average([p.grad for p in params])
+    return True
 
 
 def _wrap_ddp(module: torch.nn.Module, ctx: TrainingContext) -> DistributedDataParallel:

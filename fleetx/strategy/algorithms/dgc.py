@@ -293,6 +293,8 @@ class DGCStrategy(Strategy):
     """
 
     name = "dgc"
+    heal_fallback = ("DGC's residuals are per rank and its compressed all-reduce runs inside DDP's "
+                     "backward, not in the healing all-reduce")
     config = DGCConfig
     paddle_name = "DGCOptimizer"
     requires = (DataParallelStrategy,)

@@ -53,6 +53,7 @@ class Fp16AllReduceStrategy(Strategy):
     """
 
     name = "fp16_allreduce"
+    heal_fallback = ("it changes DDP's all-reduce, which the healing all-reduce replaces")
     paddle_name = "FP16AllReduceOptimizer"
     requires = (DataParallelStrategy,)
     # Codecs nest in plan order, first outermost: DGC sparsifies the full-precision gradients and

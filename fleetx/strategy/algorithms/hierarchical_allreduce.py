@@ -121,6 +121,7 @@ class HierarchicalAllReduceStrategy(Strategy):
     """
 
     name = "use_hierarchical_allreduce"
+    heal_fallback = ("its groups of nodes are built once, over every rank")
     requires = (DataParallelStrategy,)
 
     def can_apply(self, plan_input: PlanInput) -> Verdict:

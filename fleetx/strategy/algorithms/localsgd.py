@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
-from torch.distributed.algorithms.model_averaging.utils import average_parameters
+from fleetx.comm import heal
 
 from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy, refuse_split_model
 from fleetx.strategy.api import Mode, PlanInput, Strategy, TrainingContext, Verdict, register
@@ -84,9 +84,9 @@ def model_parameters(ctx: TrainingContext) -> list[torch.nn.Parameter]:
 
 
 def average(params: Iterable[torch.nn.Parameter]) -> None:
-    """Average ``params`` over the default process group, in place, with one flat all-reduce."""
-    with torch.no_grad():
-        average_parameters(iter(params), None)
+    """Average ``params`` over the default process group, in place, with one flat all-reduce
+    (under ``fleetrun --fault_tolerance heal``, over the live ranks, healing on a failure)."""
+    heal.average_parameters(list(params))
 
 
 @dataclass

@@ -139,6 +139,8 @@ class ShardingStrategy(Strategy):
     (under data parallel), stages 2 and 3 with FSDP2 ``fully_shard`` (instead of it)."""
 
     name = "sharding"
+    heal_fallback = ("each rank holds the only copy of its shard of the optimizer state (and "
+                     "parameters at stages 2 and 3), which dies with it")
     config = ShardingConfig
     paddle_name = "ShardingOptimizer"
     # Rebuild the optimizer that LARS / LAMB chose; shard the modules recompute names (it

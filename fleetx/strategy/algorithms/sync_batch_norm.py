@@ -29,6 +29,7 @@ class SyncBatchNormStrategy(Strategy):
     """
 
     name = "sync_batch_norm"
+    heal_fallback = ("its statistics travel in every forward over the group built at the start")
     requires = (DataParallelStrategy,)
     # its model wrapper must convert the layers before data parallel wraps the model in DDP
     runs_before = (DataParallelStrategy,)

@@ -72,6 +72,8 @@ class TensorParallelPlanStrategy(Strategy):
     """Apply the model's own tensor-parallel plan when ``mp_degree`` is above 1."""
 
     name = "tensor_parallel_plan"
+    heal_fallback = ("each rank holds the only copy of its tensor-parallel shards, which die with "
+                     "it")
     implicit = True
     shapes_model = True
 
