@@ -205,7 +205,10 @@ def _watch(job: _HealJob, stop_requested: list) -> int:
         job.check_fallback()
         job.kill_frozen()
         job.announce_rejoins()
+        attempt = job.attempt
         for slot, proc in list(job.procs.items()):
+            if job.attempt != attempt:
+                break  # the group was restarted: these processes were stopped on purpose
             code = proc.poll()
             job.watch.poll(("trainer", slot), proc.pid, code)
             if code == 0:

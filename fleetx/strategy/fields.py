@@ -7,7 +7,7 @@ user may write (a field, Paddle's attribute spelling, an old name) into the fiel
 strategy object, the file readers and the generated overview and reference all read these
 declarations, so a field added here appears everywhere at once.
 
-A strategy outside Paddle's list declares its own field from its module with :func:`declare`:
+A strategy outside Paddle's list is declared with :func:`declare` (at the end of this module):
 a bool switch after Paddle's fields and, with its config class, the ``<switch>_configs``
 message after Paddle's messages. :func:`top_level` is then the scalar fields' class (Paddle's
 and the declared switches) and :func:`field_names` every field's name.
@@ -21,6 +21,7 @@ from typing import Optional
 from fleetx.strategy.algorithms.a_sync import AsyncConfig
 from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDConfig
 from fleetx.strategy.algorithms.amp import AmpConfig
+from fleetx.strategy.algorithms.anomaly_guard import AnomalyGuardConfig
 from fleetx.strategy.algorithms.dgc import DGCConfig
 from fleetx.strategy.algorithms.gradient_merge import GradientMergeConfig
 from fleetx.strategy.algorithms.gradient_scale import GradientScaleConfig
@@ -231,6 +232,7 @@ def resolve_name(name: str) -> str:
     raise TypeError(unknown_name("DistributedStrategy attribute", name, _names))
 
 
-# Strategies outside Paddle's list declare their fields from their own module (declare): imported
-# here, once everything above exists, so every DistributedStrategy has them.
-from fleetx.strategy.algorithms import anomaly_guard  # noqa: E402,F401
+# Strategies outside Paddle's list are declared (declare) once everything above exists, so every
+# DistributedStrategy has their fields.
+declare("anomaly_guard", "Skip NaN/inf and loss-spike updates, roll back after a run of them "
+        "(anomaly_guard_configs; a fleetx extension).", AnomalyGuardConfig)

@@ -22,9 +22,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "heal_train.py"
 TARGET = torch.tensor([[1.0], [-2.0], [3.0], [0.5]])
 
 
-def heal_job(folder: Path, *args, steps=40):
+def heal_job(folder: Path, *args, steps=40, max_restarts=1):
     folder.mkdir()
-    res = run(["--nproc_per_node", "3", "--fault_tolerance", "heal", "--max_restarts", "1",
+    res = run(["--nproc_per_node", "3", "--fault_tolerance", "heal", "--max_restarts",
+               max_restarts,
                SCRIPT, "--out", "out", "--steps", steps, *args], folder, timeout=300)
     assert (folder / "out.0").exists(), res.stdout + res.stderr
     records = {s: [json.loads(line) for line in (folder / f"out.{s}").read_text().splitlines()]
@@ -108,6 +109,32 @@ def test_strategies_and_a_frozen_rank_heal(tmp_path, monkeypatch, strategy, faul
     assert [r["step"] for r in records[0] if "step" in r] == list(range(40 * k))
     ends = [next(r["w"] for r in records[s] if r.get("event") == "end") for s in range(3)]
     assert ends[0] == ends[1] == ends[2]
+
+
+@pytest.mark.slow  # two real jobs of 3 ranks, ~40 s
+def test_a_fallback_restarts_every_rank_and_a_rank_without_restarts_stays_away(tmp_path):
+    # sharding cannot heal: the kill restarts the whole group (new pids everywhere), and the
+    # restarted job runs its steps to the end
+    res, records = heal_job(tmp_path / "sharded", "--strategy", "sharding", "--kill", "1:4",
+                            steps=10)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    for slot in range(3):
+        assert len({r["pid"] for r in records[slot]}) == 2, (slot, records[slot][:2])
+        assert [r["step"] for r in records[slot] if "step" in r][-1] == 9
+    ends = [next(r["w"] for r in records[s] if r.get("event") == "end") for s in range(3)]
+    assert ends[0] == ends[1] == ends[2]
+    # no restart left: the job goes on and ends at 2 ranks, naming the one that stayed away
+    res, records = heal_job(tmp_path / "smaller", "--kill", "1:4", "--sleep", "0.1", steps=20,
+                            max_restarts=0)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "the job finished with 2 of 3 rank(s); rank(s) [1] did not come back" in out, out
+    steps0 = [r for r in records[0] if "step" in r]
+    assert [r["step"] for r in steps0] == list(range(20)) and steps0[-1]["world"] == 2
+    assert not [r for r in records[1] if r.get("event") == "end"]
+    for r, expected in zip(steps0, reference(records, 20)):
+        assert torch.allclose(torch.tensor(r["w"]), expected, atol=1e-5), (r["step"], r["w"])
 
 
 def test_heal_is_refused_where_fleetrun_cannot_host_it_naming_why():

@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 
 from fleetx.parallel.api import is_dtensor
-from fleetx.strategy import fields
 from fleetx.strategy.algorithms.adaptive_localsgd import AdaptiveLocalSGDStrategy
 from fleetx.strategy.algorithms.amp import AmpStrategy
 from fleetx.strategy.algorithms.data_parallel import DataParallelStrategy
@@ -382,7 +381,3 @@ def _cpu_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_cpu_copy(v) for v in value)
     return copy.deepcopy(value)
-
-
-fields.declare("anomaly_guard", "Skip NaN/inf and loss-spike updates, roll back after a run "
-               "of them (anomaly_guard_configs; a fleetx extension).", AnomalyGuardConfig)
