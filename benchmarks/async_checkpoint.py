@@ -12,7 +12,7 @@ save (the baseline), then one save of each kind (their order alternates between 
 
 The ratio is the median over rounds of the asynchronous figure over the synchronous one.
 
-    python benchmarks/async_checkpoint.py [--mb 120] [--rounds 7]
+    python benchmarks/async_checkpoint.py [--mb 120] [--rounds 7] [--ranks 2]
 
 Prints one JSON line (rank 0's figures).
 """
@@ -118,9 +118,13 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=120.0,
                         help="state per rank in MB (parameters + Adam's moments)")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="training processes, one thread each (1 leaves a core idle, as "
+                             "on a GPU host whose CPU waits for the device)")
     parser.add_argument("--out", default="/tmp/fleetx_async_checkpoint.json")
     args = parser.parse_args()
-    start_processes(_run, args=(2, free_port(), args.mb, args.rounds, args.out), nprocs=2,
+    start_processes(_run, args=(args.ranks, free_port(), args.mb, args.rounds, args.out),
+                    nprocs=args.ranks,
                     start_method="spawn")
     with open(args.out) as f:
         print(f.read())

@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from fleetx.checkpoint.api import CheckpointError, FileEntry, Manifest
-from fleetx.checkpoint.manifest import Checkpoint, SaveWriter
+from fleetx.checkpoint.manifest import Checkpoint, SaveWriter, file_sha256
 from fleetx.checkpoint.records import decode, encode, local, tensor_templates
 from fleetx.optim.wrapper import OptimizerWrapper
 
@@ -87,7 +87,6 @@ META = "fleetx.json"
 # Optimizer state keyed by parameter name ("state.<name>.exp_avg"), not by group index: ranks
 # owning different parameters (ZeRO) write different keys, and any layout reads them back.
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
-_CHUNK = 16 << 20
 
 
 @dataclass
@@ -437,12 +436,9 @@ def _hash_share(folder: str, rank: int, world_size: int) -> list:
                    for root, _, files in os.walk(folder) for f in files)
     share = []
     for rel in names[rank::world_size]:
-        sha, size = hashlib.sha256(), 0
         with open(os.path.join(folder, rel), "rb") as f:
-            for chunk in iter(lambda: f.read(_CHUNK), b""):
-                sha.update(chunk)
-                size += len(chunk)
-        share.append((rel.replace(os.sep, "/"), sha.hexdigest(), size))
+            digest, size = file_sha256(f)
+        share.append((rel.replace(os.sep, "/"), digest, size))
     return share
 
 

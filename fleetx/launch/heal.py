@@ -62,13 +62,18 @@ class _HealJob:
     def _open_store(self) -> None:
         import torch.distributed as dist
 
-        why = hosts.port_in_use(self.plan.master_addr, self.port)
-        if why:
+        # listening on the job's address only (torch alone would listen on every interface);
+        # the store owns the socket from here (a fresh store replaces it at a group restart)
+        try:
+            listener = hosts.listen(self.plan.master_addr, self.port)
+        except OSError as exc:
             raise LaunchError(f"cannot serve the healing job's store at "
-                              f"{self.plan.master_addr}:{self.port}: {why}")
+                              f"{self.plan.master_addr}:{self.port}: "
+                              f"{exc.strerror or exc}") from None
         self._server = dist.TCPStore(self.plan.master_addr, self.port, is_master=True,
                                      wait_for_workers=False,
-                                     timeout=timedelta(seconds=env.timeout()))
+                                     timeout=timedelta(seconds=env.timeout()),
+                                     master_listen_fd=listener.detach(), use_libuv=True)
         self.store = dist.PrefixStore("heal", self._server)
         self.beats: dict[int, tuple[int, float]] = {}
         self.started_at: dict[int, int] = {}
