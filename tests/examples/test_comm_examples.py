@@ -27,6 +27,7 @@ def fleetrun(tmp_path: Path, nproc: int, script: str, *args: str) -> str:
 SHORT = ("--epochs", "1", "--limit", "1280")
 
 
+@pytest.mark.slow  # a whole example, 35-60 s: the slow stage keeps stage 1 in its budget
 def test_fp16_allreduce_example(tmp_path):
     out = fleetrun(tmp_path, 2, "fp16_allreduce.py", *SHORT)
     assert "2. fp16_allreduce             applied" in out
@@ -39,6 +40,7 @@ def test_dgc_example(tmp_path):
     assert "gradient bytes/step" in out and "less than dense" in out
 
 
+@pytest.mark.slow  # a whole example, 35-60 s: the slow stage keeps stage 1 in its budget
 def test_hierarchical_example_on_two_pretend_nodes(tmp_path):
     out = fleetrun(tmp_path, 4, "hierarchical_allreduce.py", "--ranks_per_node", "2", *SHORT)
     assert "2 nodes of 2 ranks: reduce in node" in out and "epoch 1/1" in out

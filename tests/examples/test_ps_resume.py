@@ -67,6 +67,7 @@ def test_minimal_ps_resumes_from_its_save(tmp_path):
     _check_resumes(tmp_path, MINIMAL, ["--limit", "6000"])
 
 
+@pytest.mark.slow  # a whole example, 35-60 s: the slow stage keeps stage 1 in its budget
 def test_wide_and_deep_resumes_from_its_save(tmp_path):
     _check_resumes(tmp_path, WIDE_DEEP, ["--limit", "6000"])
 

@@ -74,6 +74,7 @@ def fleetrun(tmp_path: Path) -> list:
             str(tmp_path / "log")]
 
 
+@pytest.mark.slow  # a whole example, 35-60 s: the slow stage keeps stage 1 in its budget
 @needs_data
 def test_dataset_example_two_servers_two_workers(tmp_path):
     out, aucs = run_example(tmp_path, fleetrun(tmp_path), "--epochs", "1", "--limit", "8000",
