@@ -51,11 +51,11 @@ _MAX_NPY_HEADER = 1 << 16  # numpy writes headers of a few hundred bytes
 def file_sha256(f: Any) -> tuple:
     """(SHA-256 hex digest, size) of what is left to read in the binary file ``f``.
 
-    It reads into one reused buffer: a fresh 16 MB ``bytes`` per chunk is mapped and unmapped
-    each time, whose page faults and TLB flushes slow the training threads beside a background
-    save."""
+    It reads into one reused buffer no larger than the file: a fresh 16 MB ``bytes`` per chunk
+    is mapped and unmapped each time, whose page faults and TLB flushes slow the training
+    threads beside a background save."""
     sha, size = hashlib.sha256(), 0
-    buf = bytearray(_CHUNK)
+    buf = bytearray(max(1, min(_CHUNK, os.fstat(f.fileno()).st_size - f.tell())))
     view = memoryview(buf)
     while True:
         n = f.readinto(buf)

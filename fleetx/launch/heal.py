@@ -29,7 +29,7 @@ from typing import Optional
 
 from fleetx import env
 from fleetx.launch import hosts, logs, summary
-from fleetx.launch.api import EXIT_FAILED, EXIT_OK, LaunchError
+from fleetx.launch.api import EXIT_FAILED, EXIT_OK
 
 __all__ = ["run"]
 
@@ -62,14 +62,12 @@ class _HealJob:
     def _open_store(self) -> None:
         import torch.distributed as dist
 
+        from fleetx.launch.rendezvous import serve
+
         # listening on the job's address only (torch alone would listen on every interface);
         # the store owns the socket from here (a fresh store replaces it at a group restart)
-        try:
-            listener = hosts.listen(self.plan.master_addr, self.port)
-        except OSError as exc:
-            raise LaunchError(f"cannot serve the healing job's store at "
-                              f"{self.plan.master_addr}:{self.port}: "
-                              f"{exc.strerror or exc}") from None
+        listener = serve(self.plan.master_addr, self.port, "choose a free one with --master",
+                         what="healing job's store")
         self._server = dist.TCPStore(self.plan.master_addr, self.port, is_master=True,
                                      wait_for_workers=False,
                                      timeout=timedelta(seconds=env.timeout()),

@@ -80,12 +80,13 @@ class _Clock:
 
 
 # -- the store --------------------------------------------------------------------------------
-def serve(addr: str, port: int, hint: str) -> socket.socket:
+def serve(addr: str, port: int, hint: str, what: str = "rendezvous store") -> socket.socket:
     """The listening socket of a rendezvous store at ``addr:port``, bound to ``addr`` only.
 
     Args:
         addr, port: where the store listens (port 0: any free port).
         hint: what the user can do about a port in use, e.g. ``"choose another with --master"``.
+        what: the store, as the error names it.
 
     Raises:
         LaunchError: the port is in use or ``addr`` is not an address of this host.
@@ -93,17 +94,18 @@ def serve(addr: str, port: int, hint: str) -> socket.socket:
     try:
         return hosts.listen(addr, port)
     except OSError as exc:
-        raise _cannot_serve(exc, addr, port, hint) from None
+        raise _cannot_serve(exc, addr, port, hint, what) from None
 
 
-def _cannot_serve(exc: OSError, addr: str, port: int, hint: str) -> LaunchError:
+def _cannot_serve(exc: OSError, addr: str, port: int, hint: str,
+                  what: str = "rendezvous store") -> LaunchError:
     if exc.errno == errno.EADDRINUSE:
         why = f"port {port} is already in use on {addr}; {hint}"
     elif exc.errno == errno.EADDRNOTAVAIL:
         why = f"{addr} is not an address of this node"
     else:
         why = exc.strerror or str(exc)
-    return LaunchError(f"cannot serve the rendezvous store at {_endpoint(addr, port)}: {why}")
+    return LaunchError(f"cannot serve the {what} at {_endpoint(addr, port)}: {why}")
 
 
 def _server_store(listener: socket.socket, addr: str, timeout: timedelta) -> TCPStore:

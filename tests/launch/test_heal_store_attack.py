@@ -82,6 +82,37 @@ def _attack(port: int) -> list[socket.socket]:
     return held
 
 
+def test_the_heal_store_alone_listens_on_its_address_and_serves_on_after_attacks():
+    """The default stage's check: fleetrun's own ``_open_store`` (no job), attacked, then used
+    by a torch client as the ranks use it."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from fleetx.launch.api import LaunchError
+    from fleetx.launch.heal import _HealJob
+
+    port = _free_port()
+    job = _HealJob.__new__(_HealJob)  # the store only: no process is started
+    job.plan, job.port = SimpleNamespace(master_addr="127.0.0.1"), port
+    job._open_store()
+    held = []
+    try:
+        assert _listening_addresses(port) == {"0100007F"}, _listening_addresses(port)
+        held = _attack(port)
+        client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=timedelta(seconds=10))
+        client.set("heal/probe", "ok")
+        assert job.store.get("probe") == b"ok"
+    finally:
+        for s in held:
+            s.close()
+    with pytest.raises(LaunchError, match=f"cannot serve the healing job's store at "
+                                        f"127.0.0.1:{port}: port {port} is already in use"):
+        _HealJob._open_store(job)  # its own port, taken: named
+
+
 @pytest.mark.slow  # a real 3-rank job, ~30 s; 13 s of steps after the kill to rejoin in
 def test_the_heal_store_survives_attacks_and_the_job_still_heals(tmp_path):
     port = _free_port()
